@@ -1,0 +1,106 @@
+"""Flat param and grad buffers that execute a :class:`~fusion.layout.LayoutPlan`.
+
+After construction every laid-out param's ``.data`` is a contiguous view into its bucket's flat
+param buffer and its ``.grad`` a view into the bucket's flat grad buffer, so a bucket's params
+or grads can be handed to one collective or one optimizer kernel as a single tensor. This module
+knows nothing of communication; it only owns memory and views.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fusion.layout import BucketPlan, LayoutPlan
+
+
+class FlatBuffers:
+    """One flat param tensor and one flat grad tensor per bucket of ``plan``.
+
+    Args:
+        plan: the layout to execute.
+        params: the params the plan was made for, in the same order; entries whose slot is
+            ``None`` in the plan (frozen params) are left untouched.
+
+    Param values are copied in unchanged; padding is zero. A grad the param already had is
+    copied into its view, so wrapping after a backward loses nothing.
+    """
+
+    def __init__(self, plan: LayoutPlan, params: list[Tensor]) -> None:
+        if len(params) != len(plan.slots):
+            raise ValueError(
+                f"FlatBuffers expects {len(plan.slots)} params (one per planned slot) but got {len(params)}"
+            )
+        self.plan = plan
+        self.params = params
+        self.param_buffers: list[Tensor] = []
+        self.grad_buffers: list[Tensor] = []
+        self.param_views: list[Tensor | None] = [None] * len(params)
+        self.grad_views: list[Tensor | None] = [None] * len(params)
+        self.laid_out_indices = [slot.param_index for bucket in plan.buckets for slot in bucket.slots]
+        with torch.no_grad():
+            for bucket in plan.buckets:
+                self._allocate(bucket)
+
+    def _allocate(self, bucket: BucketPlan) -> None:
+        param_buffer = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
+        grad_buffer = torch.zeros_like(param_buffer)
+        for slot in bucket.slots:
+            param = self.params[slot.param_index]
+            end = slot.offset + slot.numel
+            param_view = param_buffer[slot.offset : end].view(slot.shape)
+            grad_view = grad_buffer[slot.offset : end].view(slot.shape)
+            param_view.copy_(param.detach())
+            if param.grad is not None:
+                grad_view.copy_(param.grad)
+            param.data = param_view
+            param.grad = grad_view
+            self.param_views[slot.param_index] = param_view
+            self.grad_views[slot.param_index] = grad_view
+        self.param_buffers.append(param_buffer)
+        self.grad_buffers.append(grad_buffer)
+
+    def param_shard(self, bucket_index: int, rank: int) -> Tensor:
+        """``rank``'s shard of the bucket's flat param buffer (a view)."""
+        start, end = self.plan.buckets[bucket_index].shard_range(rank)
+        return self.param_buffers[bucket_index][start:end]
+
+    def grad_shard(self, bucket_index: int, rank: int) -> Tensor:
+        """``rank``'s shard of the bucket's flat grad buffer (a view)."""
+        start, end = self.plan.buckets[bucket_index].shard_range(rank)
+        return self.grad_buffers[bucket_index][start:end]
+
+    def zero_grad(self) -> None:
+        """Zero every grad buffer in place (one kernel per bucket) and keep grads attached."""
+        for grad_buffer in self.grad_buffers:
+            grad_buffer.zero_()
+        for index in self.laid_out_indices:
+            self.params[index].grad = self.grad_views[index]
+
+    def adopt_grad(self, param_index: int) -> bool:
+        """Make ``param.grad`` its buffer view again; return True if it had to be re-pointed.
+
+        Code outside the wrapper may set ``.grad = None`` (``model.zero_grad()``) or assign a new
+        tensor. ``None`` means "no grad": the view is zeroed. A foreign tensor's values are copied
+        into the view. A grad that already is the view is left alone, values included.
+        """
+        param = self.params[param_index]
+        view = self.grad_views[param_index]
+        grad = param.grad
+        if grad is view:
+            return False
+        with torch.no_grad():
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+        param.grad = view
+        return True
+
+    def detached_params(self) -> list[int]:
+        """Indices of params whose ``.data`` no longer lives in the flat buffer."""
+        return [
+            index
+            for index in self.laid_out_indices
+            if self.params[index].data_ptr() != self.param_views[index].data_ptr()
+        ]

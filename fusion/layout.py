@@ -1,0 +1,224 @@
+"""Pure layout planning: where every parameter lives in the flat, padded, sharded buckets.
+
+Nothing here allocates a tensor or talks to another rank; a plan is a frozen description that
+``fusion.buffers`` executes and that the communication code in ``sharded_opt`` reads.
+
+Note [Alignment and padding]
+    Every param starts at a multiple of ``align_bytes // element_size`` elements (256 bytes by
+    default, as in Paddle's fused buffers) so that each param view, and vectorized kernels over
+    it, start on an aligned address. Each bucket's numel is padded to a multiple of
+    ``world_size * align_elems``: the bucket then splits into ``world_size`` equal shards (equal
+    shards are what reduce_scatter/all_gather need) and every shard also starts aligned. The
+    weaker rule ``lcm(world_size, align_elems)`` used elsewhere gives equal shards whose starts are
+    not aligned (world_size 2, 64-element alignment: shards of 32 elements). The price is at most
+    ``world_size * align_elems - 1`` padding elements per bucket, negligible next to a bucket.
+
+Note [Bucket order]
+    Params are laid out in reverse registration order, which approximates the order in which
+    backward produces their grads; bucket 0 is therefore the first one ready in backward. A param
+    is never split across buckets, and a bucket holds one dtype, one device and one param group,
+    so each bucket maps onto one flat tensor and one optimizer param group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_ALIGN_BYTES = 256
+"""Param and shard start alignment; 256 bytes covers 128-byte cache lines and GPU vector loads."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """What the planner needs to know about one param (no tensor is kept)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    group_index: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @classmethod
+    def of(cls, param: torch.Tensor, group_index: int) -> ParamSpec:
+        return cls(tuple(param.shape), param.dtype, param.device, group_index)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSlot:
+    """Where param ``param_index`` (its position in the planner's input) lives in its bucket."""
+
+    param_index: int
+    bucket_index: int
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPiece:
+    """A contiguous run of one param that falls inside one rank's shard of a bucket.
+
+    ``param_start`` counts elements from the start of the flattened param, ``shard_start`` from
+    the start of the rank's shard.
+    """
+
+    param_index: int
+    param_start: int
+    shard_start: int
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class BucketPlan:
+    """One flat buffer: its params (slots, in layout order) and its padded, shardable size."""
+
+    index: int
+    dtype: torch.dtype
+    device: torch.device
+    group_index: int
+    slots: tuple[ParamSlot, ...]
+    used_numel: int
+    padded_numel: int
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """Half-open element range ``[start, end)`` of ``rank``'s shard inside this bucket."""
+        start = rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def shard_pieces(self, rank: int) -> tuple[ShardPiece, ...]:
+        """The pieces of params held by ``rank``'s shard; padding is not part of any piece."""
+        shard_start, shard_end = self.shard_range(rank)
+        pieces = []
+        for slot in self.slots:
+            start = max(slot.offset, shard_start)
+            end = min(slot.offset + slot.numel, shard_end)
+            if start < end:
+                pieces.append(
+                    ShardPiece(slot.param_index, start - slot.offset, start - shard_start, end - start)
+                )
+        return tuple(pieces)
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutPlan:
+    """The whole layout: buckets in order and, for each input param, its slot (or None if frozen)."""
+
+    buckets: tuple[BucketPlan, ...]
+    slots: tuple[ParamSlot | None, ...]
+    world_size: int
+    align_bytes: int
+
+    def slot(self, param_index: int) -> ParamSlot:
+        slot = self.slots[param_index]
+        if slot is None:
+            raise KeyError(f"param {param_index} is not laid out (it does not require grad)")
+        return slot
+
+
+def align_numel(dtype: torch.dtype, align_bytes: int) -> int:
+    """Alignment in elements of ``dtype``; at least one element."""
+    return max(1, align_bytes // dtype.itemsize)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def plan_layout(
+    params: list[ParamSpec | None],
+    world_size: int,
+    *,
+    align_bytes: int = DEFAULT_ALIGN_BYTES,
+    bucket_size_bytes: int,
+) -> LayoutPlan:
+    """Plan the flat buckets for ``params`` given in registration order.
+
+    Args:
+        params: one entry per optimizer param in registration order; ``None`` marks a param that
+            is left out (``requires_grad=False``) and keeps its index free.
+        world_size: number of shards each bucket is split into.
+        align_bytes: start alignment of each param and each shard, see Note [Alignment and padding].
+        bucket_size_bytes: a bucket is closed once adding the next param would exceed this size;
+            a param larger than this gets a bucket of its own.
+
+    Returns:
+        A frozen :class:`LayoutPlan`; see Note [Bucket order].
+
+    Raises:
+        ValueError: for a non-positive world size, alignment or bucket size.
+    """
+    if world_size < 1:
+        raise ValueError(f"plan_layout expects world_size >= 1 but got {world_size}")
+    if align_bytes < 1:
+        raise ValueError(f"plan_layout expects align_bytes >= 1 but got {align_bytes}")
+    if bucket_size_bytes < 1:
+        raise ValueError(f"plan_layout expects bucket_size_bytes >= 1 but got {bucket_size_bytes}")
+
+    open_buckets: dict[tuple[torch.dtype, torch.device, int], _OpenBucket] = {}
+    closed: list[_OpenBucket] = []
+    for index in reversed(range(len(params))):
+        spec = params[index]
+        if spec is None:
+            continue
+        key = (spec.dtype, spec.device, spec.group_index)
+        bucket = open_buckets.setdefault(key, _OpenBucket(align_numel(spec.dtype, align_bytes)))
+        if bucket.members and bucket.bytes_after(spec) > bucket_size_bytes:
+            closed.append(bucket)
+            bucket = open_buckets[key] = _OpenBucket(bucket.align)
+        bucket.add(index, spec)
+    closed.extend(bucket for bucket in open_buckets.values() if bucket.members)
+    # Order buckets by the layout position of their first param, see Note [Bucket order].
+    closed.sort(key=lambda bucket: -bucket.members[0][0])
+
+    buckets = []
+    slots: list[ParamSlot | None] = [None] * len(params)
+    for bucket_index, open_bucket in enumerate(closed):
+        bucket = _build_bucket(bucket_index, open_bucket.members, world_size, align_bytes)
+        buckets.append(bucket)
+        for slot in bucket.slots:
+            slots[slot.param_index] = slot
+    return LayoutPlan(tuple(buckets), tuple(slots), world_size, align_bytes)
+
+
+def _build_bucket(
+    bucket_index: int, members: list[tuple[int, ParamSpec]], world_size: int, align_bytes: int
+) -> BucketPlan:
+    first = members[0][1]
+    align = align_numel(first.dtype, align_bytes)
+    slots = []
+    cursor = 0
+    for param_index, spec in members:
+        offset = round_up(cursor, align)
+        slots.append(ParamSlot(param_index, bucket_index, offset, spec.numel, spec.shape))
+        cursor = offset + spec.numel
+    padded = round_up(max(cursor, 1), world_size * align)
+    return BucketPlan(
+        bucket_index, first.dtype, first.device, first.group_index, tuple(slots), cursor, padded, world_size
+    )
+
+
+class _OpenBucket:
+    """A bucket being filled: its members and the cursor after the last one, in elements."""
+
+    def __init__(self, align: int) -> None:
+        self.align = align
+        self.members: list[tuple[int, ParamSpec]] = []
+        self.cursor = 0
+
+    def bytes_after(self, spec: ParamSpec) -> int:
+        return (round_up(self.cursor, self.align) + spec.numel) * spec.dtype.itemsize
+
+    def add(self, index: int, spec: ParamSpec) -> None:
+        self.members.append((index, spec))
+        self.cursor = round_up(self.cursor, self.align) + spec.numel

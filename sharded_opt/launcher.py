@@ -1,0 +1,207 @@
+"""Start N local ranks (``spawn``) and join a process group from the environment
+(``init_parallel_env``), so one training script runs the same under ``spawn`` and ``torchrun``."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import pickle
+import socket
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LOOPBACK_ADDR = "127.0.0.1"
+DEFAULT_TIMEOUT_S = 300.0
+"""Collective timeout: long enough for a slow first step, short enough that a dead peer turns
+into an error instead of a hang."""
+
+_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_parallel_env(
+    backend: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> dist.ProcessGroup:
+    """Initialize the default process group from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` (set by :func:`spawn` and by ``torchrun``) and return it.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``, ... ; by default the backend torch pairs with this
+            machine's accelerator (NCCL on CUDA), else gloo.
+        timeout_s: how long a collective may wait for its peers before it raises, so that a dead
+            rank makes the others fail instead of hang.
+
+    If an accelerator is present, the rank's device is set from ``LOCAL_RANK`` first. Calling it
+    again when the group already exists returns that group.
+
+    Raises:
+        RuntimeError: a required environment variable is missing.
+    """
+    if dist.is_initialized():
+        return dist.group.WORLD
+    missing = [name for name in _ENV_VARS if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_parallel_env needs the environment variables {', '.join(missing)}; start the "
+            "script with sharded_opt.spawn(...) or torchrun --nproc-per-node=N script.py"
+        )
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is not None and "LOCAL_RANK" in os.environ:
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
+    if backend is None:
+        backend = dist.get_default_backend_for_device(accelerator) if accelerator else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.group.WORLD
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    nprocs: int | None = None,
+    devices: str | Sequence[int] | None = None,
+    backend: str | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``nprocs`` local ranks, each in a fresh process, and return the
+    per-rank return values in rank order.
+
+    Each child gets ``MASTER_ADDR`` (loopback), a free ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``
+    and ``WORLD_SIZE``, selects its device and joins the default process group (through
+    :func:`init_parallel_env`) before ``fn`` runs; the group is destroyed after ``fn`` returns.
+
+    Args:
+        fn: a picklable (module-level) function.
+        args: positional arguments for ``fn``; sent to the children by pickling.
+        nprocs: number of ranks; ``None`` or ``-1`` means one per selected (or visible)
+            accelerator device.
+        devices: accelerator device indices, ``"4,5"`` or ``[4, 5]``: rank i uses devices[i].
+        backend: process group backend, see :func:`init_parallel_env`.
+        timeout_s: collective timeout of the process group.
+
+    Returns:
+        ``fn``'s return value of every rank, sent back as bytes via ``torch.save`` (so tensors are
+        private copies, not shared memory).
+
+    Raises:
+        ValueError / TypeError: bad ``nprocs`` or ``devices``, or an unpicklable ``fn``.
+        torch.multiprocessing.ProcessRaisedException: a rank raised; the message names the rank
+            and carries its traceback, and the other ranks are ended.
+        torch.multiprocessing.ProcessExitedException: a rank died (e.g. killed by a signal).
+    """
+    device_ids = _parse_devices(devices)
+    nprocs = _check_nprocs(nprocs, device_ids)
+    try:
+        pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise TypeError(
+            f"spawn expects a picklable function defined at module level but got {fn!r}: {error}"
+        ) from error
+    port = _free_loopback_port()
+    with tempfile.TemporaryDirectory(prefix="sharded_opt_spawn_") as result_dir:
+        mp.start_processes(
+            _run_rank,
+            args=(fn, tuple(args), nprocs, port, device_ids, backend, timeout_s, result_dir),
+            nprocs=nprocs,
+            join=True,
+            start_method="spawn",
+        )
+        return [_load_result(Path(result_dir) / f"rank{rank}.pt") for rank in range(nprocs)]
+
+
+def _run_rank(
+    rank: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    world_size: int,
+    port: int,
+    device_ids: list[int] | None,
+    backend: str | None,
+    timeout_s: float,
+    result_dir: str,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR=LOOPBACK_ADDR,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    if device_ids is not None:
+        torch.accelerator.set_device_index(device_ids[rank])
+        os.environ.pop("LOCAL_RANK")  # the device is chosen already; keep init from overriding it
+    init_parallel_env(backend, timeout_s=timeout_s)
+    try:
+        result = fn(*args)
+    finally:
+        dist.destroy_process_group()
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    path = Path(result_dir) / f"rank{rank}.pt"
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(buffer.getvalue())
+    partial.replace(path)
+
+
+def _load_result(path: Path) -> Any:
+    # Written a moment ago by our own child into a private temporary folder, so full unpickling
+    # is safe here; checkpoints from elsewhere are always loaded with weights_only=True.
+    return torch.load(path, weights_only=False)
+
+
+def _parse_devices(devices: str | Sequence[int] | None) -> list[int] | None:
+    if devices is None:
+        return None
+    if isinstance(devices, str):
+        try:
+            ids = [int(part) for part in devices.split(",") if part.strip()]
+        except ValueError:
+            raise ValueError(f'spawn expects devices like "0,1" but got {devices!r}') from None
+    else:
+        ids = [int(device) for device in devices]
+    if not ids:
+        raise ValueError(f"spawn expects at least one device but got {devices!r}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"spawn expects distinct devices but got {devices!r}")
+    visible = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    invisible = [index for index in ids if not 0 <= index < visible]
+    if invisible:
+        raise ValueError(
+            f"spawn was given devices {ids} but only {visible} accelerator device(s) are visible "
+            f"(indices 0..{visible - 1}); devices {invisible} do not exist. Check "
+            "CUDA_VISIBLE_DEVICES or leave devices=None to run on CPU."
+        )
+    return ids
+
+
+def _check_nprocs(nprocs: int | None, device_ids: list[int] | None) -> int:
+    if nprocs is None or nprocs == -1:
+        if device_ids is not None:
+            return len(device_ids)
+        visible = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+        if visible == 0:
+            raise ValueError(
+                "spawn expects nprocs >= 1 on a machine without accelerators "
+                "(nprocs=None/-1 means one rank per visible device, and there are none)"
+            )
+        return visible
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"spawn expects nprocs >= 1 (or -1 for all devices) but got {nprocs!r}")
+    if device_ids is not None and len(device_ids) != nprocs:
+        raise ValueError(
+            f"spawn was given nprocs={nprocs} but {len(device_ids)} devices {device_ids}; "
+            "give one device per rank or leave nprocs=None"
+        )
+    return nprocs
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK_ADDR, 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,73 @@
+"""Public configuration: ``Strategy().sharding`` selects what the wrapper does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from fusion.layout import DEFAULT_ALIGN_BYTES
+
+DEFAULT_BUCKET_SIZE_MB = 25.0
+"""Bucket size in MiB, DDP's default: large enough to amortize a collective's fixed latency,
+small enough that the first bucket is ready early in backward."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardingConfig:
+    """How optimizer state and communication are laid out.
+
+    Every field is checked whenever it is set, so ``strategy.sharding.enable_overlap = 1`` fails
+    at that line rather than deep inside a training step.
+    """
+
+    enable: bool = True
+    """Shard optimizer state across the process group (ZeRO stage 1). False keeps full
+    optimizer state on every rank and all-reduces grads: plain data parallel through the same
+    wrapper, useful as a baseline."""
+
+    enable_overlap: bool = False
+    """Reduce each bucket's grads as soon as backward has produced them, and all-gather updated
+    params while the next forward runs. False communicates inside ``step()`` only."""
+
+    bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB
+    """Upper bound of one flat bucket in MiB (a larger param gets a bucket of its own)."""
+
+    align_bytes: int = DEFAULT_ALIGN_BYTES
+    """Start alignment of each param and each shard in bytes; a power of two."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        _check_field(name, value)
+        object.__setattr__(self, name, value)
+
+    @property
+    def bucket_size_bytes(self) -> int:
+        return max(1, int(self.bucket_size_mb * 2**20))
+
+
+@dataclass(kw_only=True, slots=True)
+class Strategy:
+    """Top-level distributed strategy; today it has one section, ``sharding``."""
+
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sharding, ShardingConfig):
+            raise TypeError(
+                f"Strategy expects sharding to be a ShardingConfig but got {type(self.sharding).__name__}"
+            )
+
+
+def _check_field(name: str, value: Any) -> None:
+    if name in ("enable", "enable_overlap"):
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"Strategy.sharding.{name} expects a bool but got {value!r} ({type(value).__name__})"
+            )
+    elif name == "bucket_size_mb":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"Strategy.sharding.bucket_size_mb expects a number > 0 but got {value!r}")
+    elif name == "align_bytes":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"Strategy.sharding.align_bytes expects a power of two >= 1 but got {value!r}")
+    elif name not in {f.name for f in fields(ShardingConfig)}:
+        raise AttributeError(f"Strategy.sharding has no setting {name!r}")
