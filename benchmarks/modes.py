@@ -1,0 +1,220 @@
+"""The four training modes under comparison, plus a communication-only pseudo-mode.
+
+Every mode owns its model copy, built from the same seed, and the same AdamW hyperparameters,
+so the only difference between them is how grads are averaged and where optimizer state lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from benchmarks.models import build_model
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+
+MODES = ("ddp", "zero", "sync", "overlap")
+"""Measured modes, in the interleaving order A B C D."""
+
+COMM_ONLY = "comm"
+"""Pseudo-mode: the sharded modes' collectives on their own buffers, with no compute."""
+
+MUST_AGREE = ("ddp", "sync", "overlap")
+"""Modes that run the same arithmetic and so must end with the same params (to tolerance)."""
+
+LABELS = {
+    "ddp": "DDP + AdamW",
+    "zero": "DDP + ZeroRedundancyOptimizer",
+    "sync": "ShardingStage1 sync",
+    "overlap": "ShardingStage1 overlap",
+    COMM_ONLY: "comm only (RS + AG)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class AdamWConfig:
+    """One set of hyperparameters for every mode (weight decay on, so decoupled decay is tested)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    eps: float = 1e-8
+
+    def kwargs(self) -> dict[str, object]:
+        return {"lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay, "eps": self.eps}
+
+
+@dataclass(frozen=True, slots=True)
+class ModeSpec:
+    """What a rank needs to build any mode."""
+
+    model_name: str
+    seed: int
+    bucket_mb: float
+    adamw: AdamWConfig
+    device: torch.device
+    group: ProcessGroup
+
+
+class Runner:
+    """One mode's model, optimizer and training step.
+
+    ``step`` returns the loss without waiting for anything still in flight; ``settle`` waits for
+    all of it (pending all-gathers, device kernels) so that a timed block is charged for all of
+    its own work and none of it leaks into the next mode's block.
+    """
+
+    def __init__(self, name: str, model: nn.Module, forward: nn.Module, optimizer: torch.optim.Optimizer):
+        self.name = name
+        self.model = model
+        self.forward = forward
+        self.optimizer = optimizer
+
+    def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        self.optimizer.zero_grad()
+        with torch.profiler.record_function("forward"):
+            loss = self.forward(inputs, targets)
+        with torch.profiler.record_function("backward"):
+            loss.backward()
+        with torch.profiler.record_function("optimizer.step"):
+            self.optimizer.step()
+        return loss.detach()
+
+    def settle(self) -> None:
+        if isinstance(self.optimizer, ShardingStage1):
+            self.optimizer.sync_params()
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def state_bytes(self) -> int:
+        """Optimizer state held by this rank, in bytes."""
+        if isinstance(self.optimizer, ShardingStage1):
+            return self.optimizer.optimizer_state_bytes()
+        inner = self.optimizer.optim if isinstance(self.optimizer, ZeroRedundancyOptimizer) else self.optimizer
+        return _state_bytes(inner)
+
+    def flat_params(self) -> Tensor:
+        """All params concatenated on the CPU, after waiting for pending updates."""
+        self.settle()
+        return torch.cat([p.detach().reshape(-1).cpu() for p in self.model.parameters()])
+
+
+class CommOnlyRunner(Runner):
+    """Issues exactly the collectives of a sharded step (reduce-scatter of every bucket, then
+    all-gather of every bucket, in the wrapper's order) on the wrapper's own buffers: the
+    T_comm against which hidden communication is measured.
+
+    Harmless to interleave with training: reduce-scatter only writes the shard-sized averaged
+    grad that the next step overwrites, and all-gather rewrites params with the values all
+    ranks already hold.
+    """
+
+    def __init__(self, wrapped: Runner) -> None:
+        super().__init__(COMM_ONLY, wrapped.model, wrapped.forward, wrapped.optimizer)
+
+    def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        optimizer = self.optimizer
+        assert isinstance(optimizer, ShardingStage1)
+        comm = optimizer._comm  # no public comm-only entry point yet; see the benchmark README
+        for bucket in optimizer.plan.buckets:
+            comm.start_grad_sync(bucket.index)
+        comm.finish_grad_sync()
+        comm.start_param_sync(reversed(range(len(optimizer.plan.buckets))))
+        comm.finish_param_sync()
+        return torch.zeros(())
+
+    def state_bytes(self) -> int:
+        return 0
+
+
+def build_runner(name: str, spec: ModeSpec) -> Runner:
+    """Build mode ``name`` from ``spec``; every call returns an independent model copy."""
+    model = build_model(spec.model_name, spec.seed).to(spec.device)
+    return _BUILDERS[name](model, spec)
+
+
+def _ddp_wrap(model: nn.Module, spec: ModeSpec) -> nn.Module:
+    """DDP around ``model``; at one rank there is nothing to average, so the plain model."""
+    if dist.get_world_size(spec.group) == 1:
+        return model
+    device_ids = None if spec.device.type == "cpu" else [spec.device.index]
+    return DistributedDataParallel(
+        model, device_ids=device_ids, process_group=spec.group, bucket_cap_mb=spec.bucket_mb
+    )
+
+
+def _build_ddp(model: nn.Module, spec: ModeSpec) -> Runner:
+    forward = _ddp_wrap(model, spec)
+    return Runner("ddp", model, forward, torch.optim.AdamW(model.parameters(), **spec.adamw.kwargs()))
+
+
+def _build_zero(model: nn.Module, spec: ModeSpec) -> Runner:
+    forward = _ddp_wrap(model, spec)
+    optimizer = ZeroRedundancyOptimizer(
+        model.parameters(),
+        optimizer_class=torch.optim.AdamW,
+        process_group=spec.group,
+        **spec.adamw.kwargs(),
+    )
+    return Runner("zero", model, forward, optimizer)
+
+
+def _build_sharded(overlap: bool) -> Callable[[nn.Module, ModeSpec], Runner]:
+    def build(model: nn.Module, spec: ModeSpec) -> Runner:
+        strategy = Strategy(sharding=ShardingConfig(enable=True, bucket_size_mb=spec.bucket_mb))
+        optimizer = ShardingStage1(
+            torch.optim.AdamW(model.parameters(), **spec.adamw.kwargs()),
+            overlap=overlap,
+            strategy=strategy,
+            process_group=spec.group,
+            model=model,
+        )
+        return Runner("overlap" if overlap else "sync", model, model, optimizer)
+
+    return build
+
+
+_BUILDERS: dict[str, Callable[[nn.Module, ModeSpec], Runner]] = {
+    "ddp": _build_ddp,
+    "zero": _build_zero,
+    "sync": _build_sharded(overlap=False),
+    "overlap": _build_sharded(overlap=True),
+}
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, Tensor)
+    )
+
+
+def comm_bytes_per_step(runner: Runner, world_size: int) -> dict[str, float]:
+    """Bytes a step hands to collectives (``payload``) and a ring estimate of what each rank
+    sends (``wire_per_rank``).
+
+    Formulas, with P the param bytes, B the padded bucket bytes and N the world size:
+      DDP: one all-reduce of the grads: payload P, wire 2(N-1)/N * P.
+      sharded: reduce-scatter + all-gather of every padded bucket: payload 2B,
+        wire (N-1)/N * B + (N-1)/N * B = 2(N-1)/N * B (same as DDP up to padding).
+      ZeroRedundancyOptimizer: DDP's all-reduce plus one broadcast of each param from its owner:
+        payload 2P, wire >= 3(N-1)/N * P.
+    """
+    if world_size == 1:
+        return {"payload": 0.0, "wire_per_rank": 0.0}
+    ring = (world_size - 1) / world_size
+    if isinstance(runner.optimizer, ShardingStage1):
+        padded = sum(b.padded_numel * b.dtype.itemsize for b in runner.optimizer.plan.buckets)
+        return {"payload": 2.0 * padded, "wire_per_rank": 2 * ring * padded}
+    params = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.requires_grad)
+    if runner.name == "zero":
+        return {"payload": 2.0 * params, "wire_per_rank": 3 * ring * params}
+    return {"payload": float(params), "wire_per_rank": 2 * ring * params}

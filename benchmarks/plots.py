@@ -1,0 +1,79 @@
+"""PNG charts (matplotlib, Agg backend: no display needed on a server or in CI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
+
+from benchmarks.modes import LABELS, MODES  # noqa: E402
+
+
+def plot_step_times(runs: list[dict], path: Path) -> None:
+    """Median step time per mode with p10-p90 whiskers, one group of bars per run."""
+    figure, axes = plt.subplots(figsize=(9, 4.5))
+    names = [name for name in (*MODES, "comm") if any(name in run["modes"] for run in runs)]
+    width = 0.8 / len(runs)
+    for offset, run in enumerate(runs):
+        xs, medians, lower, upper = [], [], [], []
+        for position, name in enumerate(names):
+            if name in run["modes"]:
+                s = run["modes"][name]
+                xs.append(position + offset * width)
+                medians.append(s["median_s"] * 1e3)
+                lower.append((s["median_s"] - s["p10_s"]) * 1e3)
+                upper.append((s["p90_s"] - s["median_s"]) * 1e3)
+        label = f"{run['world_size']} ranks, {run['bucket_mb']:g} MiB buckets"
+        axes.bar(xs, medians, width, yerr=[lower, upper], capsize=3, label=label)
+    axes.set_xticks([p + width * (len(runs) - 1) / 2 for p in range(len(names))])
+    axes.set_xticklabels([LABELS[n] for n in names], rotation=15, ha="right", fontsize=8)
+    axes.set_ylabel("step time, ms (median, p10-p90)")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_scaling(runs: list[dict], path: Path) -> None:
+    """Total tokens/s against world size, one line per mode."""
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for name in MODES:
+        points = [(r["world_size"], r["modes"][name]["tokens_per_s"]) for r in runs if name in r["modes"]]
+        if points:
+            axes.plot(*zip(*points, strict=True), marker="o", label=LABELS[name])
+    axes.set_xlabel("ranks")
+    axes.set_ylabel("tokens/s (all ranks)")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+COMPUTE_PHASES = {"forward": "tab:blue", "backward": "tab:orange", "optimizer.step": "tab:green"}
+
+
+def plot_timeline(events: list[dict], path: Path) -> None:
+    """One overlap step on rank 0: compute phases on one row, each collective's launch (host
+    side) on the next, and gloo's own all-gather work on a third, on one time axis."""
+    figure, axes = plt.subplots(figsize=(10, 2.8))
+    rows = {"compute": 2, "launch": 1, "gloo": 0}
+    for event in events:
+        start, end = event["start_us"] / 1e3, event["end_us"] / 1e3
+        name = event["name"]
+        if name in COMPUTE_PHASES:
+            axes.broken_barh([(start, end - start)], (rows["compute"] - 0.4, 0.8), color=COMPUTE_PHASES[name])
+            axes.text(start, rows["compute"] + 0.45, name, fontsize=7)
+        elif name.startswith("c10d::"):
+            color = "tab:red" if "reduce_scatter" in name else "tab:purple"
+            axes.axvline(start, ymin=0.34, ymax=0.64, color=color, linewidth=1.5)
+        elif name.startswith("gloo:"):
+            axes.broken_barh([(start, end - start)], (rows["gloo"] - 0.3, 0.6), color="tab:purple", alpha=0.5)
+    axes.set_yticks(list(rows.values()))
+    axes.set_yticklabels(["compute", "launch (red: reduce-scatter,\npurple: all-gather)", "gloo work"])
+    axes.set_xlabel("ms since the step began (rank 0)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,201 @@
+"""What each rank runs: interleaved timing of all modes in one process group, and a per-mode
+memory pass. Functions here are module-level so ``sharded_opt.spawn`` can pickle them."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from tqdm import tqdm
+
+from benchmarks.data import DataConfig, RankBatches, stdlib_corpus
+from benchmarks.modes import (
+    COMM_ONLY,
+    MODES,
+    AdamWConfig,
+    CommOnlyRunner,
+    ModeSpec,
+    Runner,
+    build_runner,
+    comm_bytes_per_step,
+)
+from benchmarks.netns import LinkConfig, link_group
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    """One comparison run; defaults finish in a few minutes on 2 CPU cores."""
+
+    model: str = "default"
+    micro_batch: int = 8
+    seq_len: int = 128
+    warmup: int = 3
+    rounds: int = 10
+    steps_per_round: int = 3
+    bucket_mb: float = 4.0
+    seed: int = 0
+    threads: int = 1
+    modes: tuple[str, ...] = MODES
+    comm_only: bool = True
+    trace_path: str | None = None
+    link: LinkConfig | None = None
+    adamw: AdamWConfig = AdamWConfig()
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.rounds * self.steps_per_round
+
+
+def compare_rank(config: RunConfig) -> dict:
+    """Train every mode on the same batches, interleaved block by block, and return this rank's
+    block times, losses, state/comm bytes, param agreement and (rank 0) one overlap step's events."""
+    torch.set_num_threads(config.threads)
+    group = link_group(config.link) if config.link else dist.group.WORLD
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    spec = _mode_spec(config, group)
+    batches = _batches(config, rank, world_size, spec.device)
+    runners = {name: build_runner(name, spec) for name in config.modes}
+    if config.comm_only and "sync" in runners:
+        runners[COMM_ONLY] = CommOnlyRunner(runners["sync"])
+    losses: dict[str, list[float]] = {name: [] for name in runners}
+    _warm_up(runners, batches[: config.warmup], losses)
+    times = _timed_rounds(config, runners, batches[config.warmup :], losses, group, show=rank == 0)
+    result = {
+        "rank": rank,
+        "world_size": world_size,
+        "times": times,
+        "losses": {name: values for name, values in losses.items() if name != COMM_ONLY},
+        "state_bytes": {name: r.state_bytes() for name, r in runners.items() if name != COMM_ONLY},
+        "comm_bytes": {name: comm_bytes_per_step(r, world_size) for name, r in runners.items()},
+        "num_params": sum(p.numel() for p in next(iter(runners.values())).model.parameters()),
+        "agreement": _param_agreement(runners),
+        "buckets": _bucket_sizes(runners),
+        "rss_bytes": psutil.Process().memory_info().rss,
+    }
+    if config.trace_path is not None and "overlap" in runners:
+        result["timeline"] = _trace_overlap_step(runners["overlap"], batches[-1], config.trace_path, rank)
+    return result
+
+
+def memory_rank(config: RunConfig, mode: str) -> dict[str, int]:
+    """Peak memory of one mode alone in a fresh process: RSS on CPU, max allocated on a device.
+
+    Modes share a process in :func:`compare_rank`, where peaks cannot be told apart, hence a
+    separate process per mode here.
+    """
+    torch.set_num_threads(config.threads)
+    group = link_group(config.link) if config.link else dist.group.WORLD
+    baseline = psutil.Process().memory_info().rss
+    spec = _mode_spec(config, group)
+    runner = build_runner(mode, spec)
+    batches = _batches(config, dist.get_rank(group), dist.get_world_size(group), spec.device)
+    for inputs, targets in batches[: config.warmup + 2]:
+        runner.step(inputs, targets)
+    runner.settle()
+    if spec.device.type != "cpu":
+        return {"peak_bytes": torch.accelerator.max_memory_allocated(), "baseline_bytes": 0}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"peak_bytes": peak, "baseline_bytes": baseline}
+
+
+def _mode_spec(config: RunConfig, group: ProcessGroup) -> ModeSpec:
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        device = torch.device(accelerator.type, torch.accelerator.current_device_index())
+    else:
+        device = torch.device("cpu")
+    return ModeSpec(config.model, config.seed, config.bucket_mb, config.adamw, device, group)
+
+
+def _batches(config: RunConfig, rank: int, world_size: int, device: torch.device) -> list:
+    """Every batch of the run, built before any timing so data loading is never measured."""
+    data = DataConfig(config.seq_len, config.micro_batch, config.seed)
+    source = RankBatches(stdlib_corpus(data.max_bytes), data, rank, world_size)
+    return [source.batch(step, device) for step in range(config.total_steps + 1)]
+
+
+def _warm_up(runners: dict[str, Runner], batches: list, losses: dict[str, list[float]]) -> None:
+    for inputs, targets in batches:
+        for name, runner in runners.items():
+            losses[name].append(runner.step(inputs, targets).item())
+            runner.settle()
+
+
+def _timed_rounds(
+    config: RunConfig,
+    runners: dict[str, Runner],
+    batches: list,
+    losses: dict[str, list[float]],
+    group: ProcessGroup,
+    show: bool,
+) -> dict[str, list[float]]:
+    """Per-step seconds of each block: A B C D A B C D ..., each block ``steps_per_round``
+    steps long and ending with ``settle`` so its in-flight work is charged to it."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    k = config.steps_per_round
+    bar = tqdm(range(config.rounds), desc="rounds", disable=not show, leave=False)
+    for round_index in bar:
+        block = batches[round_index * k : (round_index + 1) * k]
+        for name, runner in runners.items():
+            dist.barrier(group)
+            start = time.perf_counter()
+            block_losses = [runner.step(inputs, targets) for inputs, targets in block]
+            runner.settle()
+            times[name].append((time.perf_counter() - start) / k)
+            losses[name].extend(loss.item() for loss in block_losses)
+        if show:
+            bar.set_postfix({name: f"{values[-1]:.3f}" for name, values in losses.items() if name in MODES})
+    return times
+
+
+def _param_agreement(runners: dict[str, Runner]) -> dict[str, float]:
+    """Max abs param difference of every mode against DDP's (the reference)."""
+    if "ddp" not in runners:
+        return {}
+    reference = runners["ddp"].flat_params()
+    return {
+        name: (runner.flat_params() - reference).abs().max().item()
+        for name, runner in runners.items()
+        if name in MODES and name != "ddp"
+    }
+
+
+def _bucket_sizes(runners: dict[str, Runner]) -> list[int]:
+    for name in ("overlap", "sync"):
+        if name in runners:
+            return [bucket.padded_numel for bucket in runners[name].optimizer.plan.buckets]
+    return []
+
+
+def _trace_overlap_step(runner: Runner, batch: tuple, trace_path: str, rank: int) -> list[dict]:
+    """Profile one overlap step (every rank must step; rank 0 writes the Chrome trace) and
+    return its forward/backward/step ranges and collective launches for the timeline plot."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        runner.step(*batch)
+        runner.settle()
+    if rank != 0:
+        return []
+    profiler.export_chrome_trace(trace_path)
+    return _timeline_events(profiler)
+
+
+TIMELINE_NAMES = ("forward", "backward", "optimizer.step", "reduce_scatter", "all_gather", "allgather")
+
+
+def _timeline_events(profiler: torch.profiler.profile) -> list[dict]:
+    events = [e for e in profiler.events() if any(key in e.name for key in TIMELINE_NAMES)]
+    if not events:
+        return []
+    origin = min(e.time_range.start for e in events)
+    return [
+        {"name": e.name, "start_us": e.time_range.start - origin, "end_us": e.time_range.end - origin}
+        for e in events
+    ]

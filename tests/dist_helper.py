@@ -1,0 +1,28 @@
+"""Run a test function on N gloo ranks and bring each rank's return value back to pytest.
+
+Built on the project's own ``spawn`` (free loopback port, child exceptions re-raised with their
+rank and traceback); the collective timeout bounds how long a broken test can block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from sharded_opt import spawn
+
+TEST_COLLECTIVE_TIMEOUT_S = 60.0
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """``fn(*args)`` on ``world_size`` ranks; returns the per-rank results in rank order."""
+    return spawn(_single_threaded, (fn, args), nprocs=world_size, timeout_s=TEST_COLLECTIVE_TIMEOUT_S)
+
+
+def _single_threaded(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    # Two cores are shared by all ranks and gloo's threads; one intra-op thread per rank keeps
+    # the machine from oversubscribing and the per-rank numerics deterministic.
+    torch.set_num_threads(1)
+    return fn(*args)

@@ -1,0 +1,235 @@
+"""Shared models, data and training loops for the parity tests.
+
+Each run is described by a small picklable ``RunConfig`` so one spawned job can train many
+configurations; the single-process reference trains the same model with the plain optimizer on
+the concatenated batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+
+GLOBAL_BATCH = 12  # divisible by world sizes 1, 2, 3 and 4
+IN_FEATURES = 12
+
+
+class ParityMLP(nn.Module):
+    """Mixed shapes: a (2,) bias smaller than world size 3, a scalar param, a frozen param."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(IN_FEATURES, 24)
+        self.fc2 = nn.Linear(24, 16)
+        self.head = nn.Linear(16, 2)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.frozen_offset = nn.Parameter(torch.randn(2), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.fc1(x))
+        hidden = torch.tanh(self.fc2(hidden))
+        return self.head(hidden) * self.scale + self.frozen_offset
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    optimizer: str = "adamw"
+    steps: int = 10
+    overlap: bool = False
+    enable: bool = True
+    bucket_size_mb: float = 0.001  # ~1 KiB: several buckets even for the tiny model
+    scheduler: str | None = None
+    closure: bool = False
+    micro_batches: int = 1
+    zero_grad_style: str = "optimizer"  # or "model": model.zero_grad() sets grads to None
+    attach_model: bool = True
+
+
+def make_model(seed: int = 0) -> ParityMLP:
+    torch.manual_seed(seed)
+    return ParityMLP()
+
+
+def make_optimizer(name: str, model: ParityMLP) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-2)
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    if name == "adamw_groups":
+        first = list(model.fc1.parameters())
+        first_ids = {id(p) for p in first}
+        rest = [p for p in model.parameters() if id(p) not in first_ids]
+        return torch.optim.AdamW(
+            [{"params": first, "lr": 1e-2, "weight_decay": 0.1}, {"params": rest, "lr": 3e-3}],
+            weight_decay=0.0,
+        )
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def make_scheduler(name: str | None, optimizer: torch.optim.Optimizer):
+    if name is None:
+        return None
+    if name == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    raise ValueError(f"unknown scheduler {name!r}")
+
+
+def batch(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + micro)
+    inputs = torch.randn(GLOBAL_BATCH, IN_FEATURES, generator=generator)
+    targets = torch.randn(GLOBAL_BATCH, 2, generator=generator)
+    return inputs, targets
+
+
+def local_slice(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    size = tensor.shape[0] // world_size
+    return tensor[rank * size : (rank + 1) * size]
+
+
+def train_sharded(config: RunConfig) -> dict:
+    """Train on this rank's slice of every batch through ShardingStage1; return final params."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    strategy = Strategy(
+        sharding=ShardingConfig(
+            enable=config.enable, enable_overlap=config.overlap, bucket_size_mb=config.bucket_size_mb
+        )
+    )
+    optimizer = ShardingStage1(
+        make_optimizer(config.optimizer, model),
+        strategy=strategy,
+        model=model if config.attach_model else None,
+    )
+    scheduler = make_scheduler(config.scheduler, optimizer)
+    losses = []
+    for step in range(config.steps):
+        losses.append(_sharded_step(model, optimizer, config, step, rank, world_size))
+        if scheduler is not None:
+            scheduler.step()
+    optimizer.sync_params()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "losses": losses,
+        "state_numel": _state_numel(optimizer._inner),
+        "shard_numel": sum(b.shard_numel for b in optimizer.plan.buckets),
+        "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+
+
+def _sharded_step(model, optimizer, config: RunConfig, step: int, rank: int, world_size: int) -> float:
+    def closure() -> torch.Tensor:
+        _zero_grad(model, optimizer, config)
+        total = torch.zeros(())
+        for micro in range(config.micro_batches):
+            inputs, targets = batch(step, micro)
+            loss = _loss(model, local_slice(inputs, rank, world_size), local_slice(targets, rank, world_size))
+            loss = loss / config.micro_batches
+            if micro < config.micro_batches - 1:
+                with optimizer.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            total += loss.detach()
+        return total
+
+    if config.closure:
+        return float(optimizer.step(closure))
+    loss = closure()
+    optimizer.step()
+    return float(loss)
+
+
+def _zero_grad(model, optimizer, config: RunConfig) -> None:
+    if config.zero_grad_style == "model":
+        model.zero_grad(set_to_none=True)
+    else:
+        optimizer.zero_grad()
+
+
+def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(inputs), targets)
+
+
+def train_reference(config: RunConfig) -> dict:
+    """The same training with the plain optimizer on the whole batch in one process."""
+    model = make_model()
+    optimizer = make_optimizer(config.optimizer, model)
+    scheduler = make_scheduler(config.scheduler, optimizer)
+    for step in range(config.steps):
+        optimizer.zero_grad()
+        for micro in range(config.micro_batches):
+            inputs, targets = batch(step, micro)
+            (_loss(model, inputs, targets) / config.micro_batches).backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "state_numel": _state_numel(optimizer),
+    }
+
+
+def train_many(configs: list[RunConfig]) -> list[dict]:
+    return [train_sharded(config) for config in configs]
+
+
+def _state_numel(optimizer: torch.optim.Optimizer) -> int:
+    return sum(
+        value.numel()
+        for state in optimizer.state.values()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor) and key != "step"
+    )
+
+
+def with_overlap(configs: list[RunConfig], overlap: bool) -> list[RunConfig]:
+    return [dataclasses.replace(config, overlap=overlap) for config in configs]
+
+
+class BranchyModel(nn.Module):
+    """A branch that some ranks skip on some steps, and a tied input/output embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.trunk = nn.Linear(8, 8)
+        self.branch = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        hidden = torch.tanh(self.trunk(self.embed(tokens)))
+        if use_branch:
+            hidden = hidden + torch.relu(self.branch(hidden))
+        return self.head(hidden)
+
+
+def train_branchy(overlap: bool, steps: int = 10) -> list[torch.Tensor]:
+    """Overlap must cope with params that get no grad on some ranks and with a tied weight."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = BranchyModel()
+    optimizer = ShardingStage1(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        overlap=overlap,
+        model=model,
+        strategy=Strategy(sharding=ShardingConfig(bucket_size_mb=0.0005)),
+    )
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 10, (GLOBAL_BATCH,), generator=generator)
+        tokens = local_slice(tokens, rank, world_size)
+        optimizer.zero_grad()
+        logits = model(tokens, use_branch=(step + rank) % 3 != 0)
+        torch.nn.functional.cross_entropy(logits, (tokens + 1) % 10).backward()
+        optimizer.step()
+    optimizer.sync_params()
+    return [p.detach().clone() for p in model.parameters()]
