@@ -96,7 +96,9 @@ class Runner:
         """Optimizer state held by this rank, in bytes."""
         if isinstance(self.optimizer, ShardingStage1):
             return self.optimizer.optimizer_state_bytes()
-        inner = self.optimizer.optim if isinstance(self.optimizer, ZeroRedundancyOptimizer) else self.optimizer
+        inner = (
+            self.optimizer.optim if isinstance(self.optimizer, ZeroRedundancyOptimizer) else self.optimizer
+        )
         return _state_bytes(inner)
 
     def flat_params(self) -> Tensor:

@@ -136,7 +136,11 @@ def targets(run: dict, single_rank: dict | None, emulated_link: bool) -> list[Ta
         )
     if single_rank is not None and {"sync", "ddp"} <= single_rank["modes"].keys():
         one = single_rank["modes"]
-        found.append(Target("1 rank: sync / plain AdamW step time", one["sync"]["median_s"] / one["ddp"]["median_s"], 1.02))
+        found.append(
+            Target(
+                "1 rank: sync / plain AdamW step time", one["sync"]["median_s"] / one["ddp"]["median_s"], 1.02
+            )
+        )
     return found
 
 

@@ -187,11 +187,13 @@ def _trace_overlap_step(runner: Runner, batch: tuple, trace_path: str, rank: int
     return _timeline_events(profiler)
 
 
-TIMELINE_NAMES = ("forward", "backward", "optimizer.step", "reduce_scatter", "all_gather", "allgather")
+PHASES = ("forward", "backward", "optimizer.step")
+"""The ``record_function`` ranges each step is labelled with (see ``Runner.step``)."""
 
 
 def _timeline_events(profiler: torch.profiler.profile) -> list[dict]:
-    events = [e for e in profiler.events() if any(key in e.name for key in TIMELINE_NAMES)]
+    """Compute phases, collective launches (``c10d::``) and gloo's own work (``gloo:``)."""
+    events = [e for e in profiler.events() if e.name in PHASES or e.name.startswith(("c10d::", "gloo:"))]
     if not events:
         return []
     origin = min(e.time_range.start for e in events)

@@ -9,6 +9,8 @@ import os
 import pickle
 import socket
 import tempfile
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -105,14 +107,44 @@ def spawn(
         ) from error
     port = _free_loopback_port()
     with tempfile.TemporaryDirectory(prefix="sharded_opt_spawn_") as result_dir:
-        mp.start_processes(
+        context = mp.start_processes(
             _run_rank,
             args=(fn, tuple(args), nprocs, port, device_ids, backend, timeout_s, result_dir),
             nprocs=nprocs,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        try:
+            while not context.join():
+                pass
+        except mp.ProcessRaisedException as error:
+            _raise_root_cause(error, Path(result_dir), context.pids())
+            raise
         return [_load_result(Path(result_dir) / f"rank{rank}.pt") for rank in range(nprocs)]
+
+
+def _raise_root_cause(error: mp.ProcessRaisedException, result_dir: Path, pids: list[int]) -> None:
+    """Re-raise the failure of the rank that failed first, if that is not the one reported.
+
+    When one rank raises, its peers fail soon after in their next collective ("connection reset
+    by peer"); torch reports whichever failure it notices first, which hides the cause.
+    """
+    failures = []
+    for path in result_dir.glob("rank*.error"):
+        stamp, _, trace = path.read_text().partition("\n")
+        failures.append((float(stamp), int(path.stem.removeprefix("rank")), trace))
+    if not failures:
+        return
+    _, rank, trace = min(failures)
+    if rank == error.error_index:
+        return
+    others = sorted(r for _, r, _ in failures if r != rank)
+    raise mp.ProcessRaisedException(
+        f"\n\n-- Process {rank} terminated with the following error (it failed first; the errors of "
+        f"ranks {others} followed from it):\n{trace}",
+        rank,
+        pids[rank],
+    ) from error
 
 
 def _run_rank(
@@ -139,6 +171,10 @@ def _run_rank(
     init_parallel_env(backend, timeout_s=timeout_s)
     try:
         result = fn(*args)
+    except BaseException:
+        failure = Path(result_dir) / f"rank{rank}.error"
+        failure.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
     finally:
         dist.destroy_process_group()
     buffer = io.BytesIO()
