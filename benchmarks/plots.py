@@ -70,9 +70,17 @@ def plot_timeline(events: list[dict], path: Path) -> None:
             color = "tab:red" if "reduce_scatter" in name else "tab:purple"
             axes.axvline(start, ymin=0.34, ymax=0.64, color=color, linewidth=1.5)
         elif name.startswith("gloo:"):
-            axes.broken_barh([(start, end - start)], (rows["gloo"] - 0.3, 0.6), color="tab:purple", alpha=0.5)
+            # gloo runs a reduce-scatter as an all-reduce, so gloo:all_reduce is the grad reduction
+            color = "tab:purple" if "gather" in name else "tab:red"
+            axes.broken_barh([(start, end - start)], (rows["gloo"] - 0.3, 0.6), color=color, alpha=0.5)
     axes.set_yticks(list(rows.values()))
-    axes.set_yticklabels(["compute", "launch (red: reduce-scatter,\npurple: all-gather)", "gloo work"])
+    axes.set_yticklabels(
+        [
+            "compute",
+            "launch (red: reduce-scatter,\npurple: all-gather)",
+            "gloo work (red: grad\nreduction, purple: gather)",
+        ]
+    )
     axes.set_xlabel("ms since the step began (rank 0)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -35,7 +35,7 @@ class RunConfig:
     micro_batch: int = 8
     seq_len: int = 128
     warmup: int = 3
-    rounds: int = 10
+    rounds: int = 12
     steps_per_round: int = 3
     bucket_mb: float = 4.0
     seed: int = 0
@@ -57,10 +57,11 @@ def compare_rank(config: RunConfig) -> dict:
     torch.set_num_threads(config.threads)
     group = link_group(config.link) if config.link else dist.group.WORLD
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    backend = dist.get_backend(group)
     spec = _mode_spec(config, group)
     batches = _batches(config, rank, world_size, spec.device)
     runners = {name: build_runner(name, spec) for name in config.modes}
-    if config.comm_only and "sync" in runners:
+    if config.comm_only and "sync" in runners and world_size > 1:
         runners[COMM_ONLY] = CommOnlyRunner(runners["sync"])
     losses: dict[str, list[float]] = {name: [] for name in runners}
     _warm_up(runners, batches[: config.warmup], losses)
@@ -71,7 +72,7 @@ def compare_rank(config: RunConfig) -> dict:
         "times": times,
         "losses": {name: values for name, values in losses.items() if name != COMM_ONLY},
         "state_bytes": {name: r.state_bytes() for name, r in runners.items() if name != COMM_ONLY},
-        "comm_bytes": {name: comm_bytes_per_step(r, world_size) for name, r in runners.items()},
+        "comm_bytes": {name: comm_bytes_per_step(r, world_size, backend) for name, r in runners.items()},
         "num_params": sum(p.numel() for p in next(iter(runners.values())).model.parameters()),
         "agreement": _param_agreement(runners),
         "buckets": _bucket_sizes(runners),

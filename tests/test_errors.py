@@ -74,7 +74,9 @@ def test_sparse_param(single_rank_group) -> None:
 )
 def test_non_elementwise_optimizer(single_rank_group, make) -> None:
     optimizer = make(nn.Parameter(torch.ones(3)))
-    with pytest.raises(TypeError, match="only correct for element-wise optimizers .*AdamW.*assume_elementwise"):
+    with pytest.raises(
+        TypeError, match="only correct for element-wise optimizers .*AdamW.*assume_elementwise"
+    ):
         ShardingStage1(optimizer)
 
 
