@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,8 +14,10 @@ from torch.distributed import ProcessGroup
 
 from fusion.buffers import FlatBuffers
 from fusion.layout import LayoutPlan, plan_layout
+from sharded_opt import state_dict as state_dict_conversion
 from sharded_opt.bucket_comm import BucketCommunicator
 from sharded_opt.grad_hooks import GradReadyTracker
+from sharded_opt.inner_optimizer import build_inner_optimizer
 from sharded_opt.param_hooks import ParamReadyWaiter
 from sharded_opt.strategy import Strategy
 from sharded_opt.validation import (
@@ -93,7 +94,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._buffers = FlatBuffers(self.plan, params)
         self._broadcast_from_first_rank()
         self._comm = BucketCommunicator(self._buffers, group, rank, world_size, config.enable)
-        self._inner = _build_inner_optimizer(optimizer, self.plan, self._comm)
+        self._inner = build_inner_optimizer(optimizer, self.plan, self._comm.local_params)
         # Forward order is registration order (buckets are laid out in reverse), see
         # Note [No stale params].
         self._gather_order = list(reversed(range(len(self.plan.buckets))))
@@ -201,14 +202,38 @@ class ShardingStage1(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(
-            "ShardingStage1.state_dict is not available yet (sharded checkpoints are planned); "
-            "checkpoint the model's params after sync_params() meanwhile"
-        )
+    def state_dict(self, *, to_rank: int | None = None) -> dict[str, Any] | None:  # type: ignore[override]
+        """The wrapped optimizer's state in the standard ``torch.optim`` format (collective).
+
+        Per original param (same indices as the user's optimizer) with state tensors of the
+        param's own shape, plus the param groups: it loads into a plain optimizer of the same
+        class over an unsharded model, or into a ``ShardingStage1`` on any number of ranks.
+        Beyond the local shard, at most one param's full state exists at a time.
+
+        Args:
+            to_rank: materialize the full state on this rank of the group only; the other ranks
+                return None. Default: every rank gets it.
+        """
+        if to_rank is not None and not 0 <= to_rank < self.world_size:
+            raise ValueError(
+                f"ShardingStage1.state_dict expects to_rank in [0, {self.world_size}) but got {to_rank}"
+            )
+        self.sync_params()
+        return state_dict_conversion.gather_state_dict(self, to_rank)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise NotImplementedError("ShardingStage1.load_state_dict is not available yet")
+        """Load a standard ``torch.optim`` state dict (from a plain optimizer or from
+        :meth:`state_dict`, saved on any number of ranks).
+
+        Everything is validated before anything changes: on error the optimizer is exactly as
+        it was.
+
+        Raises:
+            ValueError: wrong structure, number of groups or params, state keys of another
+                optimizer class or configuration, or state shapes that do not match the params.
+        """
+        self.sync_params()
+        state_dict_conversion.load_state_dict(self, state_dict)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -267,20 +292,6 @@ def _check_not_stepped(optimizer: torch.optim.Optimizer) -> None:
             f"ShardingStage1 expects an optimizer that has not stepped yet but it holds state for "
             f"{len(stepped)} params, which would be lost; wrap the optimizer before training"
         )
-
-
-def _build_inner_optimizer(
-    optimizer: torch.optim.Optimizer, plan: LayoutPlan, comm: BucketCommunicator
-) -> torch.optim.Optimizer:
-    """A new optimizer of the same class over this rank's flat shards, one group per user group."""
-    groups = []
-    for group_index, group in enumerate(optimizer.param_groups):
-        local = [comm.local_params[b.index] for b in plan.buckets if b.group_index == group_index]
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": local})
-    cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {key: value for key, value in optimizer.defaults.items() if key in accepted}
-    return cls(groups, **kwargs)
 
 
 def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
