@@ -133,8 +133,11 @@ def _print_run(run: dict, config: RunConfig) -> None:
     print(report.mode_table(run))
     curve = run["loss_curve_ddp"]
     if curve:
-        stride = max(1, len(curve) // 8)
-        print("loss (rank 0, DDP), every", stride, "steps:", " ".join(f"{v:.3f}" for v in curve[::stride]))
+        window = max(1, len(curve) // 6)
+        means = [
+            sum(curve[i : i + window]) / len(curve[i : i + window]) for i in range(0, len(curve), window)
+        ]
+        print(f"loss (rank 0, DDP), mean of each {window} steps:", " ".join(f"{v:.3f}" for v in means))
     comm = run["modes"].get("comm")
     if comm and run["hidden_fraction"] is not None:
         print(f"T_comm (comm-only) {comm['median_s'] * 1e3:.1f} ms; hidden fraction "

@@ -35,7 +35,7 @@ class RunConfig:
     micro_batch: int = 8
     seq_len: int = 128
     warmup: int = 3
-    rounds: int = 12
+    rounds: int = 20
     steps_per_round: int = 3
     bucket_mb: float = 4.0
     seed: int = 0

@@ -1,5 +1,6 @@
 """sharded_opt: ZeRO stage-1 sharded optimizer states for any element-wise torch optimizer."""
 
+from sharded_opt.checkpoint import load_checkpoint, save_checkpoint
 from sharded_opt.launcher import init_parallel_env, spawn
 from sharded_opt.optimizer import ShardingStage1
 from sharded_opt.strategy import ShardingConfig, Strategy
@@ -10,6 +11,8 @@ __all__ = [
     "ShardingStage1",
     "Strategy",
     "init_parallel_env",
+    "load_checkpoint",
+    "save_checkpoint",
     "spawn",
     "wait_comm",
     "wait_compute",

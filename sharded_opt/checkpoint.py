@@ -1,0 +1,251 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` that reshard on load.
+
+Note [Checkpoint layout]
+    Every rank writes only what it owns. An element-wise state tensor of a param (``exp_avg``,
+    ...) is saved as a 1-D ``ShardedTensor`` of the param's numel whose local shard is the piece
+    of the param inside this rank's flat shard; its global metadata is computed from the layout
+    plan, which every rank knows, so building it needs no communication. Loading on a different
+    number of ranks builds the same kind of tensor for the new layout and DCP reads each new
+    piece from whichever saved pieces overlap it. Scalar state (``step``), the model's
+    state dict (full tensors, the same on every rank) and numeric hyperparameters (float64
+    tensors) are replicated entries that DCP writes once.
+
+    Only tensors are stored: DCP unpickles non-tensor entries with ``weights_only=False``, so a
+    checkpoint of ours never needs it, and loading never asks for a non-tensor entry.
+
+Note [Atomic checkpoints]
+    A checkpoint is written into ``PATH.partial`` and renamed to ``PATH`` only after every rank
+    has finished and DCP's metadata file is written. A crash mid-write leaves at most a
+    ``.partial`` folder and the previous ``PATH`` intact; loading a folder without DCP metadata
+    fails with an error instead of reading half-written data.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+from fusion.layout import ShardPiece
+from sharded_opt.state_dict import expected_state_keys, indexed_groups, local_pieces
+
+if TYPE_CHECKING:
+    from sharded_opt.optimizer import ShardingStage1
+
+_PARTIAL_SUFFIX = ".partial"
+_META_NUM_PARAMS = "meta.num_params"
+_META_HAS_STATE = "meta.has_state"
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: ShardingStage1) -> None:
+    """Save ``model`` and ``optimizer`` to the folder ``path``; every rank writes its shard.
+
+    Collective over the optimizer's process group. Replaces an existing checkpoint at ``path``
+    only once the new one is complete, see Note [Atomic checkpoints].
+    """
+    optimizer.sync_params()
+    final = Path(path)
+    staging = final.with_name(final.name + _PARTIAL_SUFFIX)
+    group = optimizer.process_group
+    if optimizer.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    dist.barrier(group=group)
+    state = {**_model_entries(model), **_optimizer_entries(optimizer, _live_bucket_states(optimizer))}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), process_group=group)
+    dist.barrier(group=group)
+    if optimizer.rank == 0:
+        _swap_into_place(staging, final)
+    dist.barrier(group=group)
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: ShardingStage1) -> None:
+    """Load a checkpoint written by :func:`save_checkpoint` on any number of ranks.
+
+    Collective. Nothing changes unless the whole checkpoint was read successfully.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no complete checkpoint.
+        ValueError: the checkpoint belongs to another model or optimizer layout.
+    """
+    folder = Path(path)
+    if not (folder / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"load_checkpoint: {folder} holds no complete checkpoint (no DCP .metadata file); a "
+            "save that was interrupted leaves only a '.partial' folder"
+        )
+    optimizer.sync_params()
+    reader = dcp.FileSystemReader(folder)
+    meta = {
+        _META_NUM_PARAMS: torch.zeros((), dtype=torch.int64),
+        _META_HAS_STATE: torch.zeros((), dtype=torch.int64),
+    }
+    dcp.load(meta, storage_reader=reader, process_group=optimizer.process_group)
+    num_params = len(optimizer._buffers.params)
+    if int(meta[_META_NUM_PARAMS]) != num_params:
+        raise ValueError(
+            f"load_checkpoint: the checkpoint at {folder} holds {int(meta[_META_NUM_PARAMS])} optimizer "
+            f"params but this optimizer has {num_params}; it belongs to another model"
+        )
+    model_entries = {key: value.detach().clone() for key, value in _model_entries(model).items()}
+    bucket_states = (
+        _zero_bucket_states(optimizer) if int(meta[_META_HAS_STATE]) else [{} for _ in optimizer.plan.buckets]
+    )
+    state = {**model_entries, **_optimizer_entries(optimizer, bucket_states)}
+    dcp.load(state, storage_reader=reader, process_group=optimizer.process_group)
+    with torch.no_grad():
+        for key, value in _model_entries(model).items():
+            value.copy_(state[key])
+    _restore_hyperparameters(optimizer, state)
+    _install_bucket_states(optimizer, bucket_states)
+
+
+def _model_entries(model: nn.Module) -> dict[str, Tensor]:
+    return {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
+
+
+BucketStates = list[dict[str, Tensor]]
+"""Per bucket, the inner optimizer's tensor state of the local flat tensor."""
+
+
+def _live_bucket_states(optimizer: ShardingStage1) -> BucketStates:
+    states = []
+    for local_param in optimizer._comm.local_params:
+        state = optimizer._inner.state.get(local_param, {})
+        states.append({k: v for k, v in state.items() if isinstance(v, Tensor)})
+    return states
+
+
+def _zero_bucket_states(optimizer: ShardingStage1) -> BucketStates:
+    expected = [expected_state_keys(optimizer, g) for g in range(len(optimizer.param_groups))]
+    states = []
+    for bucket, local_param in zip(optimizer.plan.buckets, optimizer._comm.local_params, strict=True):
+        states.append(
+            {
+                key: torch.zeros_like(local_param, requires_grad=False) if elementwise else torch.zeros(())
+                for key, elementwise in expected[bucket.group_index].items()
+            }
+        )
+    return states
+
+
+def _optimizer_entries(
+    optimizer: ShardingStage1, bucket_states: BucketStates
+) -> dict[str, Tensor | ShardedTensor]:
+    """DCP entries that are views of ``bucket_states``, so loading fills those tensors in place."""
+    entries: dict[str, Tensor | ShardedTensor] = {
+        _META_NUM_PARAMS: torch.tensor(len(optimizer._buffers.params)),
+        _META_HAS_STATE: torch.tensor(int(any(bucket_states))),
+    }
+    for group_index, group in enumerate(optimizer.param_groups):
+        for key, value in _numeric_hyperparameters(group).items():
+            entries[f"hyper.{group_index}.{key}"] = value
+    pieces = local_pieces(optimizer)
+    every_rank = _pieces_of_every_rank(optimizer) if optimizer._comm.sharded else {}
+    for bucket, state in zip(optimizer.plan.buckets, bucket_states, strict=True):
+        for slot in bucket.slots:
+            for key, value in state.items():
+                name = f"state.{slot.param_index}.{key}"
+                if value.dim() == 0:
+                    entries[name] = value
+                elif optimizer._comm.sharded:
+                    entries[name] = _sharded_view(
+                        optimizer,
+                        value,
+                        slot.numel,
+                        pieces.get(slot.param_index),
+                        every_rank[slot.param_index],
+                    )
+                else:
+                    entries[name] = value[slot.offset : slot.offset + slot.numel]
+    return entries
+
+
+def _pieces_of_every_rank(optimizer: ShardingStage1) -> dict[int, list[tuple[int, ShardPiece]]]:
+    result: dict[int, list[tuple[int, ShardPiece]]] = {}
+    for bucket in optimizer.plan.buckets:
+        for rank in range(optimizer.world_size):
+            for piece in bucket.shard_pieces(rank):
+                result.setdefault(piece.param_index, []).append((rank, piece))
+    return result
+
+
+def _sharded_view(
+    optimizer: ShardingStage1,
+    local_value: Tensor,
+    numel: int,
+    local_piece: ShardPiece | None,
+    every_rank: list[tuple[int, ShardPiece]],
+) -> ShardedTensor:
+    """A 1-D ShardedTensor over the whole param whose local shard views ``local_value``."""
+
+    def metadata_of(rank: int, piece: ShardPiece) -> ShardMetadata:
+        global_rank = dist.get_global_rank(optimizer.process_group, rank)
+        return ShardMetadata([piece.param_start], [piece.numel], f"rank:{global_rank}/{local_value.device}")
+
+    local_shards = []
+    if local_piece is not None:
+        view = local_value[local_piece.shard_start : local_piece.shard_start + local_piece.numel]
+        local_shards.append(Shard(view, metadata_of(optimizer.rank, local_piece)))
+    metadata = ShardedTensorMetadata(
+        [metadata_of(rank, piece) for rank, piece in every_rank],
+        torch.Size([numel]),
+        TensorProperties(dtype=local_value.dtype),
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, metadata, process_group=optimizer.process_group
+    )
+
+
+def _numeric_hyperparameters(group: dict[str, Any]) -> dict[str, Tensor]:
+    """Numbers and tuples of numbers (lr, betas, ...) as float64 tensors; flags stay as built."""
+    values = {}
+    for key, value in group.items():
+        if isinstance(value, bool) or key == "params":
+            continue
+        if isinstance(value, (int, float)):
+            values[key] = torch.tensor(float(value), dtype=torch.float64)
+        elif isinstance(value, tuple) and value and all(isinstance(v, (int, float)) for v in value):
+            values[key] = torch.tensor([float(v) for v in value], dtype=torch.float64)
+    return values
+
+
+def _restore_hyperparameters(optimizer: ShardingStage1, entries: dict[str, Any]) -> None:
+    for group_index, group in enumerate(optimizer.param_groups):
+        for key, current in list(group.items()):
+            loaded = entries.get(f"hyper.{group_index}.{key}")
+            if loaded is None:
+                continue
+            if isinstance(current, tuple):
+                group[key] = tuple(type(c)(v) for c, v in zip(current, loaded.tolist(), strict=True))
+            else:
+                group[key] = type(current)(loaded.item())
+    optimizer._sync_hyperparameters()
+
+
+def _install_bucket_states(optimizer: ShardingStage1, bucket_states: BucketStates) -> None:
+    inner = optimizer._inner
+    position = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
+    state = {
+        position[id(local_param)]: bucket_state
+        for local_param, bucket_state in zip(optimizer._comm.local_params, bucket_states, strict=True)
+        if bucket_state
+    }
+    inner.load_state_dict({"state": state, "param_groups": indexed_groups(inner.param_groups)})
+
+
+def _swap_into_place(staging: Path, final: Path) -> None:
+    previous = final.with_name(final.name + ".previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    if final.exists():
+        final.rename(previous)
+    staging.rename(final)
+    shutil.rmtree(previous, ignore_errors=True)

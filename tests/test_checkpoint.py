@@ -1,0 +1,73 @@
+"""Sharded DCP checkpoints: written by N ranks, loaded by M, training continues as if never
+stopped (bitwise when M == N, to parity tolerance otherwise)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sharded_opt import ShardingStage1, load_checkpoint, save_checkpoint
+from tests.dist_helper import run_ranks
+from tests.test_parity import ATOL, RTOL
+from tests.test_state_dict import STEPS_AFTER, STEPS_BEFORE, _sharded_steps
+from tests.training import make_model, make_optimizer
+
+OPTIMIZER = "adamw_groups"
+
+
+def _train_save_continue(path: str, overlap: bool) -> list[torch.Tensor]:
+    model = make_model()
+    optimizer = ShardingStage1(make_optimizer(OPTIMIZER, model), overlap=overlap, model=model)
+    _sharded_steps(model, optimizer, range(STEPS_BEFORE))
+    optimizer.param_groups[0]["lr"] *= 0.5  # as a scheduler would; must be restored on load
+    save_checkpoint(path, model, optimizer)
+    _sharded_steps(model, optimizer, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    optimizer.sync_params()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _load_continue(path: str, overlap: bool) -> list[torch.Tensor]:
+    model = make_model(seed=99)  # different init: everything must come from the checkpoint
+    optimizer = ShardingStage1(make_optimizer(OPTIMIZER, model), overlap=overlap, model=model)
+    load_checkpoint(path, model, optimizer)
+    _sharded_steps(model, optimizer, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    optimizer.sync_params()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("saved_on", "loaded_on", "overlap"),
+    [(2, 2, True), (2, 1, False), (2, 3, True), (3, 2, False)],
+    ids=["2to2", "2to1", "2to3", "3to2"],
+)
+def test_checkpoint_reshards(tmp_path: Path, saved_on: int, loaded_on: int, overlap: bool) -> None:
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_ranks(_train_save_continue, saved_on, path, overlap)[0]
+    assert (tmp_path / "ckpt" / ".metadata").is_file()
+    assert not (tmp_path / "ckpt.partial").exists()
+    for resumed in run_ranks(_load_continue, loaded_on, path, not overlap):
+        for got, want in zip(resumed, uninterrupted, strict=True):
+            if saved_on == loaded_on:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def _load_missing(path: str) -> str:
+    model = make_model()
+    optimizer = ShardingStage1(make_optimizer(OPTIMIZER, model))
+    try:
+        load_checkpoint(path, model, optimizer)
+    except FileNotFoundError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_incomplete_checkpoint_is_refused(tmp_path: Path) -> None:
+    partial = tmp_path / "ckpt.partial"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half a shard")
+    messages = run_ranks(_load_missing, 1, str(tmp_path / "ckpt.partial"))
+    assert "no complete checkpoint" in messages[0]
