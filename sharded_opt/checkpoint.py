@@ -36,7 +36,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from fusion.layout import ShardPiece
-from sharded_opt.state_dict import expected_state_keys, indexed_groups, local_pieces
+from sharded_opt.state_dict import expected_state_keys, local_pieces
 
 if TYPE_CHECKING:
     from sharded_opt.optimizer import ShardingStage1
@@ -105,7 +105,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
         for key, value in _model_entries(model).items():
             value.copy_(state[key])
     _restore_hyperparameters(optimizer, state)
-    _install_bucket_states(optimizer, bucket_states)
+    optimizer._load_bucket_states(bucket_states)
 
 
 def _model_entries(model: nn.Module) -> dict[str, Tensor]:
@@ -117,11 +117,7 @@ BucketStates = list[dict[str, Tensor]]
 
 
 def _live_bucket_states(optimizer: ShardingStage1) -> BucketStates:
-    states = []
-    for local_param in optimizer._comm.local_params:
-        state = optimizer._inner.state.get(local_param, {})
-        states.append({k: v for k, v in state.items() if isinstance(v, Tensor)})
-    return states
+    return [{k: v for k, v in state.items() if isinstance(v, Tensor)} for state in optimizer._bucket_states()]
 
 
 def _zero_bucket_states(optimizer: ShardingStage1) -> BucketStates:
@@ -229,17 +225,6 @@ def _restore_hyperparameters(optimizer: ShardingStage1, entries: dict[str, Any])
             else:
                 group[key] = type(current)(loaded.item())
     optimizer._sync_hyperparameters()
-
-
-def _install_bucket_states(optimizer: ShardingStage1, bucket_states: BucketStates) -> None:
-    inner = optimizer._inner
-    position = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
-    state = {
-        position[id(local_param)]: bucket_state
-        for local_param, bucket_state in zip(optimizer._comm.local_params, bucket_states, strict=True)
-        if bucket_state
-    }
-    inner.load_state_dict({"state": state, "param_groups": indexed_groups(inner.param_groups)})
 
 
 def _swap_into_place(staging: Path, final: Path) -> None:

@@ -17,7 +17,12 @@ from fusion.layout import LayoutPlan, plan_layout
 from sharded_opt import state_dict as state_dict_conversion
 from sharded_opt.bucket_comm import BucketCommunicator
 from sharded_opt.grad_hooks import GradReadyTracker
-from sharded_opt.inner_optimizer import build_inner_optimizer
+from sharded_opt.inner_optimizer import (
+    bucket_state,
+    build_inner_optimizer,
+    chunk_local_tensor,
+    load_bucket_states,
+)
 from sharded_opt.param_hooks import ParamReadyWaiter
 from sharded_opt.strategy import Strategy
 from sharded_opt.validation import (
@@ -94,7 +99,8 @@ class ShardingStage1(torch.optim.Optimizer):
         self._buffers = FlatBuffers(self.plan, params)
         self._broadcast_from_first_rank()
         self._comm = BucketCommunicator(self._buffers, group, rank, world_size, config.enable)
-        self._inner = build_inner_optimizer(optimizer, self.plan, self._comm.local_params)
+        self._inner_chunks = [chunk_local_tensor(local) for local in self._comm.local_params]
+        self._inner = build_inner_optimizer(optimizer, self.plan, self._inner_chunks)
         # Forward order is registration order (buckets are laid out in reverse), see
         # Note [No stale params].
         self._gather_order = list(reversed(range(len(self.plan.buckets))))
@@ -262,6 +268,13 @@ class ShardingStage1(torch.optim.Optimizer):
             for bucket in self.plan.buckets:
                 self._comm.start_grad_sync(bucket.index)
         self._comm.finish_grad_sync()
+
+    def _bucket_states(self) -> list[dict[str, Any]]:
+        """Per bucket, the inner optimizer's state of this rank's local flat tensor."""
+        return [bucket_state(self._inner, chunks) for chunks in self._inner_chunks]
+
+    def _load_bucket_states(self, states: list[dict[str, Any]]) -> None:
+        load_bucket_states(self._inner, self._inner_chunks, states)
 
     def _sync_hyperparameters(self) -> None:
         for outer, inner in zip(self.param_groups, self._inner.param_groups, strict=True):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fusion.layout import BucketPlan, ShardPiece
-from sharded_opt.inner_optimizer import constructor_kwargs
+from sharded_opt.inner_optimizer import constructor_kwargs, indexed_groups
 
 if TYPE_CHECKING:
     from sharded_opt.optimizer import ShardingStage1
@@ -60,9 +60,8 @@ def gather_state_dict(optimizer: ShardingStage1, to_rank: int | None) -> dict[st
     pieces = local_pieces(optimizer)
     communicate = optimizer._comm.sharded
     state: dict[int, dict[str, Any]] = {}
-    for bucket in optimizer.plan.buckets:
+    for bucket, bucket_state in zip(optimizer.plan.buckets, optimizer._bucket_states(), strict=True):
         local_param = optimizer._comm.local_params[bucket.index]
-        bucket_state = optimizer._inner.state.get(local_param, {})
         for slot in bucket.slots if bucket_state else ():
             entry = {}
             for key, value in bucket_state.items():
@@ -98,18 +97,6 @@ def _sum_over_group(tensor: Tensor, optimizer: ShardingStage1, to_rank: int | No
         )
 
 
-def indexed_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Copies of ``param_groups`` whose params are replaced by consecutive indices, as
-    ``torch.optim.Optimizer.state_dict`` numbers them."""
-    groups, start = [], 0
-    for group in param_groups:
-        count = len(group["params"])
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": list(range(start, start + count))})
-        start += count
-    return groups
-
-
 def expected_state_keys(optimizer: ShardingStage1, group_index: int) -> dict[str, bool]:
     """State keys the inner optimizer keeps for a param of this group, each mapped to whether
     it is element-wise, found by stepping a throwaway copy on a 2-element param."""
@@ -137,12 +124,11 @@ def load_state_dict(optimizer: ShardingStage1, state_dict: dict[str, Any]) -> No
     expected = [expected_state_keys(optimizer, g) for g in range(len(optimizer.param_groups))]
     for position, entry in saved_state.items():
         _check_param_state(optimizer, position, params[position], entry, expected)
-    inner_state = _shard_state(optimizer, saved_state, expected)
+    bucket_states = _shard_state(optimizer, saved_state, expected)
     for ours, saved in zip(optimizer.param_groups, state_dict["param_groups"], strict=True):
         ours.update({k: v for k, v in saved.items() if k != "params"})
     optimizer._sync_hyperparameters()
-    inner_groups = indexed_groups(optimizer._inner.param_groups)
-    optimizer._inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+    optimizer._load_bucket_states(bucket_states)
 
 
 def _check_structure(optimizer: ShardingStage1, state_dict: Any) -> None:
@@ -191,23 +177,27 @@ def _check_param_state(
 
 def _shard_state(
     optimizer: ShardingStage1, saved_state: dict[int, dict], expected: list[dict[str, bool]]
-) -> dict[int, dict]:
-    """Inner-optimizer state, keyed by inner param index, cut from the full per-param state."""
+) -> list[dict[str, Any]]:
+    """Per bucket, this rank's local state cut from the full per-param state."""
     pieces = local_pieces(optimizer)
-    inner_index = {
-        id(param): index
-        for index, param in enumerate(p for g in optimizer._inner.param_groups for p in g["params"])
-    }
-    inner_state: dict[int, dict] = {}
+    states: list[dict[str, Any]] = []
     for bucket in optimizer.plan.buckets:
         with_state = [slot for slot in bucket.slots if slot.param_index in saved_state]
         if not with_state:
+            states.append({})
             continue
         local_param = optimizer._comm.local_params[bucket.index]
-        inner_state[inner_index[id(local_param)]] = _bucket_state(
-            bucket, local_param, saved_state, with_state[0].param_index, pieces, expected[bucket.group_index]
+        states.append(
+            _bucket_state(
+                bucket,
+                local_param,
+                saved_state,
+                with_state[0].param_index,
+                pieces,
+                expected[bucket.group_index],
+            )
         )
-    return inner_state
+    return states
 
 
 def _bucket_state(
