@@ -7,6 +7,7 @@ import datetime
 import io
 import os
 import pickle
+import secrets
 import socket
 import tempfile
 import time
@@ -25,6 +26,8 @@ DEFAULT_TIMEOUT_S = 300.0
 into an error instead of a hang."""
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_DEFAULT_EPHEMERAL_FLOOR = 32768  # Linux's default start of ip_local_port_range
+_PORT_WINDOW = 12000  # ports below the ephemeral floor that spawn picks from
 
 
 def init_parallel_env(
@@ -238,6 +241,28 @@ def _check_nprocs(nprocs: int | None, device_ids: list[int] | None) -> int:
 
 
 def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK_ADDR, 0))
-        return sock.getsockname()[1]
+    """A free loopback port for rank 0's rendezvous store, chosen *below* the ephemeral range.
+
+    A port handed out by binding to port 0 lies inside the kernel's ephemeral range, the range it
+    also draws source ports from for outgoing connections. A rank that connects before rank 0
+    listens can then get that very port as its source port and connect to itself (a TCP
+    self-connect), after which the store handshake aborts the process. Seen here about once in
+    six runs; a port outside the ephemeral range can never be such a source port.
+    """
+    floor = _ephemeral_port_floor()
+    candidates = secrets.SystemRandom().sample(range(max(1024, floor - _PORT_WINDOW), floor), 64)
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((LOOPBACK_ADDR, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"spawn found no free loopback port in [{floor - _PORT_WINDOW}, {floor})")
+
+
+def _ephemeral_port_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _DEFAULT_EPHEMERAL_FLOOR

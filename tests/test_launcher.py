@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,9 @@ def test_spawn_sets_environment_and_returns_results_in_rank_order() -> None:
     assert {r["backend"] for r in results} == {"gloo"}
     assert {r["env"]["MASTER_ADDR"] for r in results} == {"127.0.0.1"}
     assert len({r["env"]["MASTER_PORT"] for r in results}) == 1
+    # Below the ephemeral range, so no rank's outgoing connection can self-connect to it.
+    floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert int(results[0]["env"]["MASTER_PORT"]) < floor
     assert [r["env"]["RANK"] for r in results] == ["0", "1", "2"]
     assert all(r["tag"] == "hello" for r in results)
     assert torch.equal(results[2]["tensor"], torch.full((2,), 2.0))
