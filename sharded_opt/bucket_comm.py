@@ -4,11 +4,21 @@ Vocabulary follows Megatron-Core: ``start_*`` issues asynchronous collectives on
 stream, ``finish_*`` makes compute wait for them. Sync mode calls start and finish back to back;
 overlap mode calls start from backward hooks and finish as late as possible. Both issue the very
 same collectives on the very same buffers, which is why their results are bitwise equal.
+
+Note [Mixed precision]
+    Params and their grads live in the params' own dtype (bf16, say) in the flat buffers:
+    autograd needs a grad of the param's dtype. Grads are reduced in ``reduce_dtype`` (fp32 by
+    default for 16-bit params): a bf16 bucket is cast to a temporary fp32 copy that the
+    collective reads, and the averaged shard arrives in a persistent fp32 tensor. With a
+    ``master_dtype`` wider than the params, the inner optimizer steps a persistent fp32 master
+    copy of the local shard only (never of the whole model); after the step the master is cast
+    back into the param buffer's shard, which is all-gathered in the params' dtype.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -19,40 +29,80 @@ from sharded_opt import collectives
 from sharded_opt.streams import new_comm_stream, on_stream, wait_comm, wait_compute
 
 
+@dataclass(frozen=True, slots=True)
+class BucketPrecision:
+    """Resolved dtypes of one bucket: params/grads, the reduction, the optimizer's master copy."""
+
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    master_dtype: torch.dtype
+
+
+def resolve_precision(
+    param_dtype: torch.dtype, reduce_dtype: torch.dtype | None, master_dtype: torch.dtype | None
+) -> BucketPrecision:
+    """``None`` means: reduce 16-bit grads in fp32 and others in their own dtype; no master copy."""
+    if reduce_dtype is None:
+        reduce_dtype = torch.float32 if param_dtype.itemsize < 4 else param_dtype
+    return BucketPrecision(param_dtype, reduce_dtype, master_dtype or param_dtype)
+
+
 class BucketCommunicator:
     """Owns the comm stream, the per-bucket local tensors the inner optimizer steps, and the
     pending collective handles.
 
     In sharded mode (``sharded=True`` and more than one rank) a bucket's grads are
     reduce-scattered (averaged, as DDP does) into a persistent shard-sized tensor and the updated
-    shard is all-gathered back into the bucket in place. Otherwise grads are all-reduced in place
-    (or, on one rank, left as they are) and the whole bucket is stepped.
+    shard is all-gathered back into the bucket in place. Otherwise grads are all-reduced (or, on
+    one rank, left as they are) and the whole bucket is stepped. See Note [Mixed precision].
     """
 
     def __init__(
-        self, buffers: FlatBuffers, group: ProcessGroup, rank: int, world_size: int, sharded: bool
+        self,
+        buffers: FlatBuffers,
+        group: ProcessGroup,
+        rank: int,
+        world_size: int,
+        sharded: bool,
+        precisions: list[BucketPrecision],
     ) -> None:
         self.buffers = buffers
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.sharded = sharded and world_size > 1
-        device = buffers.plan.buckets[0].device
-        self.stream = new_comm_stream(device)
+        self.precisions = precisions
+        self.stream = new_comm_stream(buffers.plan.buckets[0].device)
         num_buckets = len(buffers.plan.buckets)
         self._grad_works: list[Work | None] = [None] * num_buckets
+        self._reduce_inputs: list[Tensor | None] = [None] * num_buckets
         self._param_works: list[Work | None] = [None] * num_buckets
+        self._param_views: list[Tensor] = []
+        self._reduced_grads: list[Tensor] = []
         self.local_params: list[Tensor] = []
-        for bucket in buffers.plan.buckets:
-            if self.sharded:
-                local_param = buffers.param_shard(bucket.index, rank).detach()
-                local_grad = torch.zeros_like(local_param)
-            else:
-                local_param = buffers.param_buffers[bucket.index].detach()
-                local_grad = buffers.grad_buffers[bucket.index]
-            local_param.requires_grad_(True)
-            local_param.grad = local_grad
-            self.local_params.append(local_param)
+        """Per bucket, the leaf tensor the inner optimizer steps (its ``.grad`` the reduced grad)."""
+        for bucket, precision in zip(buffers.plan.buckets, precisions, strict=True):
+            self._allocate(bucket.index, precision)
+
+    def _allocate(self, bucket_index: int, precision: BucketPrecision) -> None:
+        if self.sharded:
+            param_view = self.buffers.param_shard(bucket_index, self.rank)
+        else:
+            param_view = self.buffers.param_buffers[bucket_index]
+        grad_buffer = self.buffers.grad_buffers[bucket_index]
+        if self.sharded or self.world_size > 1 and precision.reduce_dtype != precision.param_dtype:
+            reduced = torch.zeros(param_view.numel(), dtype=precision.reduce_dtype, device=param_view.device)
+        else:
+            reduced = grad_buffer  # reduced in place (all-reduce), or nothing to reduce on one rank
+        if precision.master_dtype == precision.param_dtype:
+            local = param_view.detach()
+        else:
+            local = param_view.detach().to(precision.master_dtype, copy=True)
+        local.requires_grad_(True)
+        local.grad = reduced if reduced.dtype == local.dtype else torch.zeros_like(local)
+        self._param_views.append(param_view)
+        self._reduced_grads.append(reduced)
+        self.local_params.append(local)
 
     def start_grad_sync(self, bucket_index: int) -> None:
         """Issue the bucket's grad reduction; its input must be final (see Note [Streams and events])."""
@@ -60,25 +110,42 @@ class BucketCommunicator:
             return
         wait_compute(self.stream)
         grad_buffer = self.buffers.grad_buffers[bucket_index]
+        reduced = self._reduced_grads[bucket_index]
         with on_stream(self.stream):
             if self.sharded:
-                output = self.local_params[bucket_index].grad
-                work = collectives.reduce_scatter_avg(output, grad_buffer, self.group, async_op=True)
+                # The cast runs on the comm stream and its result is kept until finish_grad_sync,
+                # so the caching allocator cannot reuse it while the collective reads it.
+                reduce_input = (
+                    grad_buffer if grad_buffer.dtype == reduced.dtype else grad_buffer.to(reduced.dtype)
+                )
+                work = collectives.reduce_scatter_avg(reduced, reduce_input, self.group, async_op=True)
+                self._reduce_inputs[bucket_index] = reduce_input
             else:
-                work = collectives.all_reduce_avg(grad_buffer, self.group, async_op=True)
+                if reduced is not grad_buffer:
+                    reduced.copy_(grad_buffer)
+                work = collectives.all_reduce_avg(reduced, self.group, async_op=True)
         self._grad_works[bucket_index] = work
 
     def finish_grad_sync(self) -> None:
-        """Make compute wait for every grad reduction issued so far."""
+        """Make compute wait for every grad reduction issued so far; the optimizer's grads are
+        then final."""
         works, self._grad_works = self._grad_works, [None] * len(self._grad_works)
         wait_comm(works)
+        self._reduce_inputs = [None] * len(self._reduce_inputs)
+        for local, reduced in zip(self.local_params, self._reduced_grads, strict=True):
+            if local.grad is not reduced:
+                local.grad.copy_(reduced)
 
     def launched_grad_buckets(self) -> list[int]:
         """Buckets whose grad reduction is issued and not yet finished."""
         return [index for index, work in enumerate(self._grad_works) if work is not None]
 
     def start_param_sync(self, bucket_order: Iterable[int]) -> None:
-        """All-gather the updated shards into the param buffers, behind the last optimizer op."""
+        """Cast master shards back into the param buffer and all-gather the updated shards,
+        behind the last optimizer op."""
+        for local, param_view in zip(self.local_params, self._param_views, strict=True):
+            if local.dtype != param_view.dtype:
+                param_view.copy_(local.detach())
         if not self.sharded:
             return
         wait_compute(self.stream)
@@ -86,7 +153,7 @@ class BucketCommunicator:
             for bucket_index in bucket_order:
                 self._param_works[bucket_index] = collectives.all_gather(
                     self.buffers.param_buffers[bucket_index],
-                    self.buffers.param_shard(bucket_index, self.rank),
+                    self._param_views[bucket_index],
                     self.group,
                     async_op=True,
                 )
@@ -103,3 +170,7 @@ class BucketCommunicator:
     def pending_param_buckets(self) -> list[int]:
         """Buckets whose updated params are still being all-gathered."""
         return [index for index, work in enumerate(self._param_works) if work is not None]
+
+    def local_grads(self) -> list[Tensor]:
+        """The reduced grads the optimizer steps, one flat tensor per bucket."""
+        return [local.grad for local in self.local_params]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,7 +16,7 @@ from torch.distributed import ProcessGroup
 from fusion.buffers import FlatBuffers
 from fusion.layout import LayoutPlan, plan_layout
 from sharded_opt import state_dict as state_dict_conversion
-from sharded_opt.bucket_comm import BucketCommunicator
+from sharded_opt.bucket_comm import BucketCommunicator, resolve_precision
 from sharded_opt.grad_hooks import GradReadyTracker
 from sharded_opt.inner_optimizer import (
     bucket_state,
@@ -98,7 +99,11 @@ class ShardingStage1(torch.optim.Optimizer):
         )
         self._buffers = FlatBuffers(self.plan, params)
         self._broadcast_from_first_rank()
-        self._comm = BucketCommunicator(self._buffers, group, rank, world_size, config.enable)
+        precisions = [
+            resolve_precision(bucket.dtype, config.reduce_dtype, config.master_dtype)
+            for bucket in self.plan.buckets
+        ]
+        self._comm = BucketCommunicator(self._buffers, group, rank, world_size, config.enable, precisions)
         self._inner_chunks = [chunk_local_tensor(local) for local in self._comm.local_params]
         self._inner = build_inner_optimizer(optimizer, self.plan, self._inner_chunks)
         # Forward order is registration order (buckets are laid out in reverse), see
@@ -108,6 +113,7 @@ class ShardingStage1(torch.optim.Optimizer):
             GradReadyTracker(self._buffers, self._comm.start_grad_sync) if self.overlap else None
         )
         self._param_waiter: ParamReadyWaiter | None = None
+        self._grads_reduced = False
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
         self._layout_frozen = True
         optimizer._sharded_opt_wrapper = self
@@ -135,8 +141,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._comm.start_param_sync(self._gather_order)
         if self._param_waiter is None:
             self._comm.finish_param_sync()
-        if self._grad_tracker is not None:
-            self._grad_tracker.reset()
+        self._start_iteration()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -144,8 +149,50 @@ class ShardingStage1(torch.optim.Optimizer):
         buffers the collectives read, so ``set_to_none`` is accepted and ignored."""
         self._comm.finish_grad_sync()
         self._buffers.zero_grad()
-        if self._grad_tracker is not None:
-            self._grad_tracker.reset()
+        self._start_iteration()
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the averaged grads by their global norm; returns the total norm.
+
+        Equals ``torch.nn.utils.clip_grad_norm_`` over the unsharded, averaged grads: each rank
+        computes the norm of its shard and one all-reduce of a scalar combines them, so every
+        rank gets the same norm and clips alike (a local norm would differ per rank). Call it
+        between backward and ``step()``; it finishes the grad reduction now, and ``step()``
+        then uses the clipped grads. ``param.grad`` (the local, unreduced grads) is not changed.
+
+        Raises:
+            ValueError: ``norm_type`` is not positive.
+            RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (on every rank).
+        """
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"clip_grad_norm_ expects norm_type > 0 (or inf) but got {norm_type}")
+        self._check_params_in_buffers()
+        self._reduce_grads()
+        grads = self._comm.local_grads()
+        if norm_type == math.inf:
+            local = torch.stack([g.abs().max().float() for g in grads]).max()
+            op = dist.ReduceOp.MAX
+        else:
+            local = torch.stack(
+                [torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads]
+            ).sum()
+            op = dist.ReduceOp.SUM
+        if self._comm.sharded:
+            dist.all_reduce(local, op=op, group=self.process_group)
+        total = local if norm_type == math.inf else local ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"clip_grad_norm_: the total norm of order {norm_type} is {total.item()}; set "
+                "error_if_nonfinite=False to clip anyway (grads then become nan)"
+            )
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        return total
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -259,7 +306,14 @@ class ShardingStage1(torch.optim.Optimizer):
                 "in place instead (`with torch.no_grad(): param.copy_(new)`)"
             )
 
+    def _start_iteration(self) -> None:
+        self._grads_reduced = False
+        if self._grad_tracker is not None:
+            self._grad_tracker.reset()
+
     def _reduce_grads(self) -> None:
+        if self._grads_reduced:
+            return
         if self._grad_tracker is not None:
             self._grad_tracker.flush()
         else:
@@ -268,6 +322,7 @@ class ShardingStage1(torch.optim.Optimizer):
             for bucket in self.plan.buckets:
                 self._comm.start_grad_sync(bucket.index)
         self._comm.finish_grad_sync()
+        self._grads_reduced = True
 
     def _bucket_states(self) -> list[dict[str, Any]]:
         """Per bucket, the inner optimizer's state of this rank's local flat tensor."""

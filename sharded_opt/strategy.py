@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 from fusion.layout import DEFAULT_ALIGN_BYTES
 
 DEFAULT_BUCKET_SIZE_MB = 25.0
@@ -34,6 +36,14 @@ class ShardingConfig:
 
     align_bytes: int = DEFAULT_ALIGN_BYTES
     """Start alignment of each param and each shard in bytes; a power of two."""
+
+    reduce_dtype: torch.dtype | None = None
+    """Dtype grads are averaged in. None: fp32 for 16-bit params (bf16 sums lose precision
+    quickly), the params' own dtype otherwise."""
+
+    master_dtype: torch.dtype | None = None
+    """Dtype of the copy of the local shard that the optimizer steps, e.g. ``torch.float32``
+    for bf16 params. None: step the params' own dtype, no copy."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         _check_field(name, value)
@@ -69,5 +79,10 @@ def _check_field(name: str, value: Any) -> None:
     elif name == "align_bytes":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
             raise ValueError(f"Strategy.sharding.align_bytes expects a power of two >= 1 but got {value!r}")
+    elif name in ("reduce_dtype", "master_dtype"):
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise ValueError(
+                f"Strategy.sharding.{name} expects None or a floating torch.dtype but got {value!r}"
+            )
     elif name not in {f.name for f in fields(ShardingConfig)}:
         raise AttributeError(f"Strategy.sharding has no setting {name!r}")

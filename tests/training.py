@@ -49,11 +49,16 @@ class RunConfig:
     micro_batches: int = 1
     zero_grad_style: str = "optimizer"  # or "model": model.zero_grad() sets grads to None
     attach_model: bool = True
+    clip_norm: float | None = None
+    clip_norm_type: float = 2.0
+    param_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
 
-def make_model(seed: int = 0) -> ParityMLP:
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> ParityMLP:
     torch.manual_seed(seed)
-    return ParityMLP()
+    return ParityMLP().to(dtype)
 
 
 def make_optimizer(name: str, model: ParityMLP) -> torch.optim.Optimizer:
@@ -97,10 +102,14 @@ def local_slice(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tenso
 def train_sharded(config: RunConfig) -> dict:
     """Train on this rank's slice of every batch through ShardingStage1; return final params."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = make_model()
+    model = make_model(dtype=config.param_dtype)
     strategy = Strategy(
         sharding=ShardingConfig(
-            enable=config.enable, enable_overlap=config.overlap, bucket_size_mb=config.bucket_size_mb
+            enable=config.enable,
+            enable_overlap=config.overlap,
+            bucket_size_mb=config.bucket_size_mb,
+            master_dtype=config.master_dtype,
+            reduce_dtype=config.reduce_dtype,
         )
     )
     optimizer = ShardingStage1(
@@ -109,27 +118,30 @@ def train_sharded(config: RunConfig) -> dict:
         model=model if config.attach_model else None,
     )
     scheduler = make_scheduler(config.scheduler, optimizer)
-    losses = []
+    losses, norms = [], []
     for step in range(config.steps):
-        losses.append(_sharded_step(model, optimizer, config, step, rank, world_size))
+        losses.append(_sharded_step(model, optimizer, config, step, rank, world_size, norms))
         if scheduler is not None:
             scheduler.step()
     optimizer.sync_params()
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "losses": losses,
+        "norms": norms,
         "state_numel": _state_numel(optimizer._inner),
         "shard_numel": sum(b.shard_numel for b in optimizer.plan.buckets),
         "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
 
 
-def _sharded_step(model, optimizer, config: RunConfig, step: int, rank: int, world_size: int) -> float:
+def _sharded_step(
+    model, optimizer, config: RunConfig, step: int, rank: int, world_size: int, norms: list[float]
+) -> float:
     def closure() -> torch.Tensor:
         _zero_grad(model, optimizer, config)
         total = torch.zeros(())
         for micro in range(config.micro_batches):
-            inputs, targets = batch(step, micro)
+            inputs, targets = _cast(batch(step, micro), config.param_dtype)
             loss = _loss(model, local_slice(inputs, rank, world_size), local_slice(targets, rank, world_size))
             loss = loss / config.micro_batches
             if micro < config.micro_batches - 1:
@@ -138,6 +150,8 @@ def _sharded_step(model, optimizer, config: RunConfig, step: int, rank: int, wor
             else:
                 loss.backward()
             total += loss.detach()
+        if config.clip_norm is not None:
+            norms.append(float(optimizer.clip_grad_norm_(config.clip_norm, config.clip_norm_type)))
         return total
 
     if config.closure:
@@ -158,23 +172,104 @@ def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torc
     return torch.nn.functional.mse_loss(model(inputs), targets)
 
 
-def train_reference(config: RunConfig) -> dict:
-    """The same training with the plain optimizer on the whole batch in one process."""
-    model = make_model()
-    optimizer = make_optimizer(config.optimizer, model)
+def train_reference(config: RunConfig, grad_slices: int = 1) -> dict:
+    """The same training with the plain optimizer on the whole batch in one process.
+
+    With a ``master_dtype``, the optimizer steps fp32 master copies of the (bf16) params and
+    the params are cast back after each step, the textbook mixed-precision loop. With
+    ``grad_slices`` > 1, each batch's grads are computed per slice (as the ranks do) and
+    averaged in the reduction dtype: bf16 grads of a slice and of the whole batch round
+    differently, and Adam turns a rounding difference in a near-zero grad into a full
+    ``lr``-sized step, so a low-precision reference must see the same slices.
+    """
+    model = make_model(dtype=config.param_dtype)
+    params = list(model.parameters())
+    masters = params
+    if config.master_dtype is not None:
+        masters = [p.detach().to(config.master_dtype).requires_grad_(p.requires_grad) for p in params]
+    optimizer = make_optimizer(config.optimizer, _MasterView(model, masters))
     scheduler = make_scheduler(config.scheduler, optimizer)
+    norms = []
     for step in range(config.steps):
-        optimizer.zero_grad()
+        accumulated: list[torch.Tensor | None] = [None] * len(params)
         for micro in range(config.micro_batches):
-            inputs, targets = batch(step, micro)
-            (_loss(model, inputs, targets) / config.micro_batches).backward()
+            inputs, targets = _cast(batch(step, micro), config.param_dtype)
+            slice_grads = []
+            for index in range(grad_slices):
+                model.zero_grad()
+                loss = _loss(
+                    model, local_slice(inputs, index, grad_slices), local_slice(targets, index, grad_slices)
+                )
+                (loss / config.micro_batches).backward()
+                slice_grads.append([None if p.grad is None else p.grad.clone() for p in params])
+            averages = _average_slices(params, slice_grads, config.reduce_dtype)
+            accumulated = [_add(total, average) for total, average in zip(accumulated, averages, strict=True)]
+        model.zero_grad()
+        for master, grad in zip(masters, accumulated, strict=True):
+            master.grad = None if grad is None else grad.to(master.dtype)
+        if config.clip_norm is not None:
+            norms.append(
+                float(torch.nn.utils.clip_grad_norm_(masters, config.clip_norm, config.clip_norm_type))
+            )
         optimizer.step()
+        with torch.no_grad():
+            for param, master in zip(params, masters, strict=True):
+                if master is not param:
+                    param.copy_(master)
         if scheduler is not None:
             scheduler.step()
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "state_numel": _state_numel(optimizer),
+        "norms": norms,
     }
+
+
+def _add(total: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor | None:
+    if total is None or value is None:
+        return value if total is None else total
+    return total + value
+
+
+def _average_slices(params: list, slice_grads: list, reduce_dtype) -> list[torch.Tensor | None]:
+    """Per param, the slices' grads averaged in the reduction dtype, as the ranks' averaging
+    collective does it (sum, then divide)."""
+    averages: list[torch.Tensor | None] = []
+    for position, param in enumerate(params):
+        grads = [grads[position] for grads in slice_grads if grads[position] is not None]
+        if not grads:
+            averages.append(None)
+            continue
+        dtype = reduce_dtype or (torch.float32 if param.dtype.itemsize < 4 else param.dtype)
+        total = grads[0].to(dtype)
+        for grad in grads[1:]:
+            total = total + grad.to(dtype)
+        averages.append(total / len(grads))
+    return averages
+
+
+class _MasterView:
+    """Looks like the model to ``make_optimizer`` but hands out the master params."""
+
+    def __init__(self, model: ParityMLP, masters: list[torch.Tensor]) -> None:
+        by_id = {id(p): m for p, m in zip(model.parameters(), masters, strict=True)}
+        self._masters = masters
+        self.fc1 = _Params([by_id[id(p)] for p in model.fc1.parameters()])
+
+    def parameters(self):
+        return iter(self._masters)
+
+
+class _Params:
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self._params = params
+
+    def parameters(self):
+        return iter(self._params)
+
+
+def _cast(pair: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return pair[0].to(dtype), pair[1].to(dtype)
 
 
 def train_many(configs: list[RunConfig]) -> list[dict]:

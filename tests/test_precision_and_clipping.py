@@ -1,0 +1,129 @@
+"""Global grad-norm clipping and bf16 params with fp32 master shards, against single-process
+references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sharded_opt import ShardingStage1
+from tests.dist_helper import run_ranks
+from tests.test_parity import ATOL, RTOL
+from tests.training import GLOBAL_BATCH, RunConfig, make_model, train_many, train_reference
+
+CLIP_CONFIGS = {
+    "l2_sync": RunConfig(optimizer="adamw", clip_norm=0.05),
+    "l2_overlap": RunConfig(optimizer="adamw", clip_norm=0.05, overlap=True),
+    "inf_overlap": RunConfig(optimizer="sgd", clip_norm=0.02, clip_norm_type=math.inf, overlap=True),
+    "l2_data_parallel": RunConfig(optimizer="adamw", clip_norm=0.05, enable=False),
+}
+
+# bf16 params, fp32 master shards, against a reference that computes the same per-rank bf16
+# grads and averages them in fp32 (see train_reference). What remains is the order of the fp32
+# averaging, which can flip the bf16 rounding of a master value: one bf16 ulp (2^-8 relative).
+BF16_RTOL, BF16_ATOL = 2**-8, 1e-5
+# Reducing in bf16 on 3 ranks: gloo's ring adds the three bf16 grads in another order than the
+# reference's left fold, so a sum can round one bf16 ulp apart, and Adam can turn that into a
+# fraction of an lr-sized (1e-2) step. Measured here: at most 2e-3 after 10 steps.
+BF16_REDUCE_ATOL = 4e-3
+MIXED_CONFIGS = {
+    "bf16_fp32_master": RunConfig(optimizer="adamw", param_dtype=torch.bfloat16, master_dtype=torch.float32),
+    "bf16_fp32_master_overlap": RunConfig(
+        optimizer="adamw_groups", param_dtype=torch.bfloat16, master_dtype=torch.float32, overlap=True
+    ),
+    "bf16_bf16_reduce": RunConfig(
+        optimizer="adamw",
+        param_dtype=torch.bfloat16,
+        master_dtype=torch.float32,
+        reduce_dtype=torch.bfloat16,
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"world{ws}")
+def runs(request) -> dict[str, list[dict]]:
+    configs = {**CLIP_CONFIGS, **MIXED_CONFIGS}
+    per_rank = run_ranks(train_many, request.param, list(configs.values()))
+    return {name: [rank_results[i] for rank_results in per_rank] for i, name in enumerate(configs)}
+
+
+@pytest.mark.parametrize("name", list(CLIP_CONFIGS))
+def test_clip_grad_norm_matches_torch_on_unsharded_grads(runs, name: str) -> None:
+    reference = train_reference(CLIP_CONFIGS[name])
+    for result in runs[name]:
+        torch.testing.assert_close(result["norms"], reference["norms"], rtol=1e-5, atol=0)
+        # Clipping was active: the norms exceed the threshold.
+        assert min(result["norms"]) > CLIP_CONFIGS[name].clip_norm
+        for got, expected in zip(result["params"], reference["params"], strict=True):
+            torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", list(MIXED_CONFIGS))
+def test_bf16_params_with_fp32_master_match_reference(runs, name: str) -> None:
+    world_size = len(runs[name])
+    reference = train_reference(MIXED_CONFIGS[name], grad_slices=world_size)
+    atol = BF16_REDUCE_ATOL if MIXED_CONFIGS[name].reduce_dtype == torch.bfloat16 else BF16_ATOL
+    for result in runs[name]:
+        assert all(p.dtype == torch.bfloat16 for p in result["params"])
+        for got, expected in zip(result["params"], reference["params"], strict=True):
+            torch.testing.assert_close(got, expected, rtol=BF16_RTOL, atol=atol)
+    # Ranks agree bitwise, and the fp32 master keeps state in fp32 for the shard only.
+    for result in runs[name][1:]:
+        for a, b in zip(result["params"], runs[name][0]["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+def _master_state_dtypes() -> dict:
+    from sharded_opt import ShardingConfig, Strategy
+
+    model = make_model(dtype=torch.bfloat16)
+    optimizer = ShardingStage1(
+        torch.optim.AdamW(model.parameters()),
+        strategy=Strategy(sharding=ShardingConfig(master_dtype=torch.float32)),
+    )
+    optimizer.zero_grad()
+    model(torch.randn(GLOBAL_BATCH, 12, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    state = optimizer._bucket_states()
+    return {
+        "state_dtypes": {v.dtype for s in state for v in s.values() if v.dim() == 1},
+        "master_dtypes": {p.dtype for p in optimizer._comm.local_params},
+        "local_numel": sum(p.numel() for p in optimizer._comm.local_params),
+        "padded_numel": sum(b.padded_numel for b in optimizer.plan.buckets),
+    }
+
+
+def test_master_copy_is_fp32_and_covers_the_shard_only() -> None:
+    for result in run_ranks(_master_state_dtypes, 2):
+        assert result["state_dtypes"] == {torch.float32}
+        assert result["master_dtypes"] == {torch.float32}
+        assert result["local_numel"] * 2 == result["padded_numel"]
+
+
+def _clip_nan(error_if_nonfinite: bool) -> str:
+    model = make_model()
+    optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True)
+    inputs = torch.randn(GLOBAL_BATCH // 2, 12)
+    if dist.get_rank() == 1:
+        inputs[0, 0] = float("nan")  # a nan on one rank only
+    model(inputs).sum().backward()
+    try:
+        return str(float(optimizer.clip_grad_norm_(1.0, error_if_nonfinite=error_if_nonfinite)))
+    except RuntimeError as error:
+        optimizer.zero_grad()
+        return str(error)
+
+
+def test_nan_grad_on_one_rank_gives_nan_norm_on_every_rank() -> None:
+    assert run_ranks(_clip_nan, 2, False) == ["nan", "nan"]
+    for message in run_ranks(_clip_nan, 2, True):
+        assert "total norm of order 2.0 is nan" in message
+
+
+def test_clip_grad_norm_rejects_bad_norm_type(single_rank_group) -> None:
+    optimizer = ShardingStage1(torch.optim.SGD(make_model().parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="norm_type > 0"):
+        optimizer.clip_grad_norm_(1.0, norm_type=0)
