@@ -13,6 +13,13 @@ Note [Mixed precision]
     ``master_dtype`` wider than the params, the inner optimizer steps a persistent fp32 master
     copy of the local shard only (never of the whole model); after the step the master is cast
     back into the param buffer's shard, which is all-gathered in the params' dtype.
+
+    The params stay the truth: if anything else writes them in place (``model.load_state_dict``
+    after wrapping, a user's ``param.copy_``), the params' autograd version counters move and
+    the master copy is refreshed from the params before the next step, instead of silently
+    overwriting them with stale master values. (A param whose ``.data`` was pointed at the
+    buffer keeps a version counter of its own, which only writes through the param bump; the
+    wrapper's own writes go through the buffer and do not.)
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class BucketCommunicator:
         self._reduce_inputs: list[Tensor | None] = [None] * num_buckets
         self._param_works: list[Work | None] = [None] * num_buckets
         self._param_views: list[Tensor] = []
+        self._param_versions: list[int] = []
         self._reduced_grads: list[Tensor] = []
         self.local_params: list[Tensor] = []
         """Per bucket, the leaf tensor the inner optimizer steps (its ``.grad`` the reduced grad)."""
@@ -101,6 +109,7 @@ class BucketCommunicator:
         local.requires_grad_(True)
         local.grad = reduced if reduced.dtype == local.dtype else torch.zeros_like(local)
         self._param_views.append(param_view)
+        self._param_versions.append(self._version_of(bucket_index))
         self._reduced_grads.append(reduced)
         self.local_params.append(local)
 
@@ -166,6 +175,23 @@ class BucketCommunicator:
             if work is not None:
                 self._param_works[index] = None
                 work.wait()
+
+    def refresh_stale_masters(self) -> None:
+        """Re-copy master shards whose params were written by someone else since the last step,
+        see Note [Mixed precision]."""
+        for index, (local, param_view) in enumerate(zip(self.local_params, self._param_views, strict=True)):
+            if local.dtype == param_view.dtype:
+                continue
+            version = self._version_of(index)
+            if version != self._param_versions[index]:
+                local.detach().copy_(param_view)
+                self._param_versions[index] = version
+
+    def _version_of(self, bucket_index: int) -> int:
+        params = self.buffers.params
+        return sum(
+            params[slot.param_index]._version for slot in self.buffers.plan.buckets[bucket_index].slots
+        )
 
     def pending_param_buckets(self) -> list[int]:
         """Buckets whose updated params are still being all-gathered."""

@@ -135,6 +135,7 @@ class ShardingStage1(torch.optim.Optimizer):
                 loss = closure()
         self._check_params_in_buffers()
         self._comm.finish_param_sync()
+        self._comm.refresh_stale_masters()
         self._reduce_grads()
         self._sync_hyperparameters()
         self._inner.step()

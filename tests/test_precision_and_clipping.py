@@ -127,3 +127,51 @@ def test_clip_grad_norm_rejects_bad_norm_type(single_rank_group) -> None:
     optimizer = ShardingStage1(torch.optim.SGD(make_model().parameters(), lr=0.1))
     with pytest.raises(ValueError, match="norm_type > 0"):
         optimizer.clip_grad_norm_(1.0, norm_type=0)
+
+
+def _master_keeps_precision_and_follows_loaded_params() -> dict:
+    from sharded_opt import ShardingConfig, Strategy
+
+    model = make_model(dtype=torch.bfloat16)
+    optimizer = ShardingStage1(
+        torch.optim.SGD(model.parameters(), lr=1e-3),
+        strategy=Strategy(sharding=ShardingConfig(master_dtype=torch.float32)),
+        overlap=True,
+        model=model,
+    )
+    inputs = torch.randn(
+        GLOBAL_BATCH // 2, 12, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3)
+    )
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(inputs).sum().backward()
+        optimizer.step()
+    optimizer.sync_params()
+    masters = torch.cat([p.detach() for p in optimizer._comm.local_params])
+    keeps_fp32_bits = not torch.equal(masters, masters.to(torch.bfloat16).float())
+
+    # Loading weights into the wrapped model must win over the stale master copy.
+    loaded = make_model(seed=5, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict())
+    optimizer.zero_grad()
+    model(inputs).sum().backward()
+    optimizer.step()
+    optimizer.sync_params()
+    expected = make_model(seed=5, dtype=torch.bfloat16)
+    plain = torch.optim.SGD(expected.parameters(), lr=1e-3)
+    expected(inputs).sum().backward()
+    for param in expected.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= dist.get_world_size()
+    plain.step()
+    follows = all(
+        torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-3)
+        for a, b in zip(model.parameters(), expected.parameters(), strict=True)
+    )
+    return {"keeps_fp32_bits": keeps_fp32_bits, "follows_loaded_params": follows}
+
+
+def test_master_keeps_fp32_bits_and_follows_params_loaded_after_wrapping() -> None:
+    for result in run_ranks(_master_keeps_precision_and_follows_loaded_params, 2):
+        assert result == {"keeps_fp32_bits": True, "follows_loaded_params": True}
