@@ -187,6 +187,20 @@ class BucketCommunicator:
                 local.detach().copy_(param_view)
                 self._param_versions[index] = version
 
+    def master_copies(self) -> list[Tensor | None]:
+        """Per bucket, the master copy of the local shard (detached), or None without one."""
+        return [
+            local.detach() if local.dtype != view.dtype else None
+            for local, view in zip(self.local_params, self._param_views, strict=True)
+        ]
+
+    def load_master_copies(self, masters: list[Tensor | None]) -> None:
+        """Install loaded master copies; the params as they are now count as current."""
+        for index, (local, master) in enumerate(zip(self.local_params, masters, strict=True)):
+            if master is not None:
+                local.detach().copy_(master)
+                self._param_versions[index] = self._version_of(index)
+
     def _version_of(self, bucket_index: int) -> int:
         params = self.buffers.params
         return sum(

@@ -35,7 +35,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from fusion.layout import ShardPiece
+from fusion.layout import ParamSlot, ShardPiece
 from sharded_opt.state_dict import expected_state_keys, local_pieces
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 _PARTIAL_SUFFIX = ".partial"
 _META_NUM_PARAMS = "meta.num_params"
 _META_HAS_STATE = "meta.has_state"
+_META_HAS_MASTERS = "meta.has_masters"
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: ShardingStage1) -> None:
@@ -59,7 +60,11 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
     if optimizer.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
     dist.barrier(group=group)
-    state = {**_model_entries(model), **_optimizer_entries(optimizer, _live_bucket_states(optimizer))}
+    masters = optimizer._comm.master_copies()
+    state = {
+        **_model_entries(model),
+        **_optimizer_entries(optimizer, _live_bucket_states(optimizer), masters),
+    }
     dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), process_group=group)
     dist.barrier(group=group)
     if optimizer.rank == 0:
@@ -85,8 +90,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
     optimizer.sync_params()
     reader = dcp.FileSystemReader(folder)
     meta = {
-        _META_NUM_PARAMS: torch.zeros((), dtype=torch.int64),
-        _META_HAS_STATE: torch.zeros((), dtype=torch.int64),
+        name: torch.zeros((), dtype=torch.int64)
+        for name in (_META_NUM_PARAMS, _META_HAS_STATE, _META_HAS_MASTERS)
     }
     dcp.load(meta, storage_reader=reader, process_group=optimizer.process_group)
     num_params = len(optimizer._buffers.params)
@@ -99,13 +104,21 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
     bucket_states = (
         _zero_bucket_states(optimizer) if int(meta[_META_HAS_STATE]) else [{} for _ in optimizer.plan.buckets]
     )
-    state = {**model_entries, **_optimizer_entries(optimizer, bucket_states)}
+    # Without saved master copies (saved without master_dtype), the masters are refreshed from
+    # the loaded params at the next step, see Note [Mixed precision] in bucket_comm.
+    masters = [
+        None if master is None or not int(meta[_META_HAS_MASTERS]) else torch.zeros_like(master)
+        for master in optimizer._comm.master_copies()
+    ]
+    state = {**model_entries, **_optimizer_entries(optimizer, bucket_states, masters)}
     dcp.load(state, storage_reader=reader, process_group=optimizer.process_group)
     with torch.no_grad():
         for key, value in _model_entries(model).items():
             value.copy_(state[key])
     _restore_hyperparameters(optimizer, state)
     optimizer._load_bucket_states(bucket_states)
+    if any(master is not None for master in masters):
+        optimizer._comm.load_master_copies(masters)
 
 
 def _model_entries(model: nn.Module) -> dict[str, Tensor]:
@@ -134,35 +147,49 @@ def _zero_bucket_states(optimizer: ShardingStage1) -> BucketStates:
 
 
 def _optimizer_entries(
-    optimizer: ShardingStage1, bucket_states: BucketStates
+    optimizer: ShardingStage1, bucket_states: BucketStates, masters: list[Tensor | None]
 ) -> dict[str, Tensor | ShardedTensor]:
-    """DCP entries that are views of ``bucket_states``, so loading fills those tensors in place."""
+    """DCP entries that are views of ``bucket_states`` and ``masters``, so loading fills those
+    tensors in place."""
     entries: dict[str, Tensor | ShardedTensor] = {
         _META_NUM_PARAMS: torch.tensor(len(optimizer._buffers.params)),
         _META_HAS_STATE: torch.tensor(int(any(bucket_states))),
+        _META_HAS_MASTERS: torch.tensor(int(any(master is not None for master in masters))),
     }
     for group_index, group in enumerate(optimizer.param_groups):
         for key, value in _numeric_hyperparameters(group).items():
             entries[f"hyper.{group_index}.{key}"] = value
-    pieces = local_pieces(optimizer)
-    every_rank = _pieces_of_every_rank(optimizer) if optimizer._comm.sharded else {}
-    for bucket, state in zip(optimizer.plan.buckets, bucket_states, strict=True):
+    per_param = _PerParamEntries(optimizer)
+    for bucket, state, master in zip(optimizer.plan.buckets, bucket_states, masters, strict=True):
         for slot in bucket.slots:
             for key, value in state.items():
-                name = f"state.{slot.param_index}.{key}"
-                if value.dim() == 0:
-                    entries[name] = value
-                elif optimizer._comm.sharded:
-                    entries[name] = _sharded_view(
-                        optimizer,
-                        value,
-                        slot.numel,
-                        pieces.get(slot.param_index),
-                        every_rank[slot.param_index],
-                    )
-                else:
-                    entries[name] = value[slot.offset : slot.offset + slot.numel]
+                entries[f"state.{slot.param_index}.{key}"] = per_param.entry(slot, value)
+            if master is not None:
+                entries[f"master.{slot.param_index}"] = per_param.entry(slot, master)
     return entries
+
+
+class _PerParamEntries:
+    """Turns a bucket-level local tensor into one param's checkpoint entry, see Note
+    [Checkpoint layout]."""
+
+    def __init__(self, optimizer: ShardingStage1) -> None:
+        self._optimizer = optimizer
+        self._pieces = local_pieces(optimizer)
+        self._every_rank = _pieces_of_every_rank(optimizer) if optimizer._comm.sharded else {}
+
+    def entry(self, slot: ParamSlot, value: Tensor) -> Tensor | ShardedTensor:
+        if value.dim() == 0:
+            return value
+        if not self._optimizer._comm.sharded:
+            return value[slot.offset : slot.offset + slot.numel]
+        return _sharded_view(
+            self._optimizer,
+            value,
+            slot.numel,
+            self._pieces.get(slot.param_index),
+            self._every_rank[slot.param_index],
+        )
 
 
 def _pieces_of_every_rank(optimizer: ShardingStage1) -> dict[int, list[tuple[int, ShardPiece]]]:

@@ -31,7 +31,8 @@ def _sharded_steps(model, optimizer, steps: range) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for step in steps:
         optimizer.zero_grad()
-        inputs, targets = batch(step)
+        dtype = next(model.parameters()).dtype
+        inputs, targets = (t.to(dtype) for t in batch(step))
         prediction = model(local_slice(inputs, rank, world_size))
         torch.nn.functional.mse_loss(prediction, local_slice(targets, rank, world_size)).backward()
         optimizer.step()
