@@ -175,3 +175,40 @@ def _master_keeps_precision_and_follows_loaded_params() -> dict:
 def test_master_keeps_fp32_bits_and_follows_params_loaded_after_wrapping() -> None:
     for result in run_ranks(_master_keeps_precision_and_follows_loaded_params, 2):
         assert result == {"keeps_fp32_bits": True, "follows_loaded_params": True}
+
+
+def _scaled_fp16_training(inf_step: int) -> dict:
+    from sharded_opt import ShardedGradScaler, ShardingConfig, Strategy
+
+    rank = dist.get_rank()
+    model = make_model(dtype=torch.float16)
+    optimizer = ShardingStage1(
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        strategy=Strategy(sharding=ShardingConfig(master_dtype=torch.float32)),
+        overlap=True,
+        model=model,
+    )
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**8)
+    scales, changed = [], []
+    for step in range(5):
+        inputs = torch.randn(GLOBAL_BATCH // 2, 12, generator=torch.Generator().manual_seed(step)).half()
+        if step == inf_step and rank == 1:
+            inputs[0, 0] = float("inf")  # an overflow on one rank only
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        scaler.scale(model(inputs).float().square().mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.sync_params()
+        scales.append(scaler.get_scale())
+        changed.append(any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)))
+    return {"scales": scales, "changed": changed, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_grad_scaler_skips_the_same_steps_on_every_rank() -> None:
+    results = run_ranks(_scaled_fp16_training, 2, 2)
+    for result in results:
+        assert result["changed"] == [True, True, False, True, True]
+        assert result["scales"] == [256.0, 256.0, 128.0, 128.0, 128.0]
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)
