@@ -248,6 +248,30 @@ class ShardingStage1(torch.optim.Optimizer):
             if isinstance(value, torch.Tensor)
         )
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for training, by kind (persistent tensors only; a bucket-sized
+        cast during a low-precision grad reduction is transient).
+
+        Keys: ``params`` and ``grads`` (the flat buffers, padding included), ``reduced_grads``
+        (the averaged grads the optimizer steps, when not the grad buffer itself), ``master``
+        (master copies of the local shard), ``optimizer_state``.
+        """
+
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        comm = self._comm
+        grad_buffer_ids = {id(g) for g in self._buffers.grad_buffers}
+        reduced = {id(g): g for g in comm._reduced_grads if id(g) not in grad_buffer_ids}
+        reduced.update((id(p.grad), p.grad) for p in comm.local_params if id(p.grad) not in grad_buffer_ids)
+        return {
+            "params": nbytes(self._buffers.param_buffers),
+            "grads": nbytes(self._buffers.grad_buffers),
+            "reduced_grads": nbytes(reduced.values()),
+            "master": nbytes(m for m in comm.master_copies() if m is not None),
+            "optimizer_state": self.optimizer_state_bytes(),
+        }
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_layout_frozen", False):
             raise RuntimeError(

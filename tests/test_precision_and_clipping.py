@@ -212,3 +212,35 @@ def test_grad_scaler_skips_the_same_steps_on_every_rank() -> None:
         assert result["scales"] == [256.0, 256.0, 128.0, 128.0, 128.0]
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
         assert torch.equal(a, b)
+
+
+def _bytes_per_param() -> list[dict[str, float]]:
+    from sharded_opt import ShardingConfig, Strategy
+
+    results = []
+    for dtype, master in ((torch.float32, None), (torch.bfloat16, torch.float32)):
+        # 1024-multiples: no padding, so the bytes per param are exactly the formula's.
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 512), torch.nn.Linear(512, 1024)).to(dtype)
+        numel = sum(p.numel() for p in model.parameters())
+        optimizer = ShardingStage1(
+            torch.optim.AdamW(model.parameters()),
+            strategy=Strategy(sharding=ShardingConfig(master_dtype=master)),
+        )
+        optimizer.zero_grad()
+        model(torch.randn(2, 1024, dtype=dtype)).sum().backward()
+        optimizer.step()
+        results.append({key: value / numel for key, value in optimizer.memory_bytes().items()})
+    return results
+
+
+def test_memory_per_param_matches_the_readme_formula() -> None:
+    world_size = 4
+    fp32, bf16 = run_ranks(_bytes_per_param, world_size)[0]
+    # fp32 params and grads, fp32 averaged shard grads, Adam state: 8 + 12/N bytes per param.
+    assert fp32["params"] + fp32["grads"] == 8
+    assert fp32["reduced_grads"] + fp32["master"] == pytest.approx(4 / world_size)
+    assert fp32["optimizer_state"] == pytest.approx(8 / world_size, rel=1e-3)  # + scalar steps
+    # bf16 params and grads, fp32 averaged shard grads, fp32 master, Adam state: 4 + 16/N.
+    assert bf16["params"] + bf16["grads"] == 4
+    assert bf16["reduced_grads"] + bf16["master"] == pytest.approx(8 / world_size)
+    assert bf16["optimizer_state"] == pytest.approx(8 / world_size, rel=1e-3)
