@@ -23,6 +23,8 @@ CONFIGS = {
     "adam": RunConfig(optimizer="adam"),
     "adamw_two_groups": RunConfig(optimizer="adamw_groups"),
     "adamw_scheduler": RunConfig(optimizer="adamw", scheduler="step"),
+    "adamw_onecycle": RunConfig(optimizer="adamw_groups", scheduler="onecycle"),
+    "sgd_lambda": RunConfig(optimizer="sgd", scheduler="lambda"),
     "adamw_closure": RunConfig(optimizer="adamw", closure=True),
     "adamw_one_bucket": RunConfig(optimizer="adamw", bucket_size_mb=25.0),
     "adamw_data_parallel": RunConfig(optimizer="adamw_groups", enable=False),

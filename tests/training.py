@@ -84,6 +84,10 @@ def make_scheduler(name: str | None, optimizer: torch.optim.Optimizer):
         return None
     if name == "step":
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    if name == "onecycle":  # also cycles Adam's beta1 through param_groups
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-2, total_steps=20)
+    if name == "lambda":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     raise ValueError(f"unknown scheduler {name!r}")
 
 
