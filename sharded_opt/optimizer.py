@@ -116,10 +116,10 @@ class ShardingStage1(torch.optim.Optimizer):
         self._grads_reduced = False
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
         self._layout_frozen = True
-        optimizer._sharded_opt_wrapper = self
-        optimizer.register_step_pre_hook(_refuse_wrapped_step)
         if model is not None:
             self.attach(model)
+        optimizer._sharded_opt_wrapper = self
+        optimizer.register_step_pre_hook(_refuse_wrapped_step)
 
     # -- training loop ---------------------------------------------------------------------
 
