@@ -14,16 +14,19 @@ Note [Checkpoint layout]
     checkpoint of ours never needs it, and loading never asks for a non-tensor entry.
 
 Note [Atomic checkpoints]
-    A checkpoint is written into ``PATH.partial`` and renamed to ``PATH`` only after every rank
-    has finished and DCP's metadata file is written. A crash mid-write leaves at most a
-    ``.partial`` folder and the previous ``PATH`` intact; loading a folder without DCP metadata
-    fails with an error instead of reading half-written data.
+    ``PATH`` is a symbolic link to a folder ``PATH.ckpt-<id>`` that holds one complete
+    checkpoint. A save writes into ``PATH.partial``, renames it to a fresh ``PATH.ckpt-<id>`` once
+    every rank has finished and DCP's metadata file is written, and then swaps the link with one
+    atomic ``os.replace``; only after that is the previous folder removed. A crash at any moment
+    leaves ``PATH`` pointing at a whole checkpoint, the previous or the new one, and never at a
+    half-written one; a folder without DCP metadata is refused on load.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
     from sharded_opt.optimizer import ShardingStage1
 
 _PARTIAL_SUFFIX = ".partial"
+_VERSION_MARK = ".ckpt-"
 _META_NUM_PARAMS = "meta.num_params"
 _META_HAS_STATE = "meta.has_state"
 _META_HAS_MASTERS = "meta.has_masters"
@@ -52,9 +56,13 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
 
     Collective over the optimizer's process group. Replaces an existing checkpoint at ``path``
     only once the new one is complete, see Note [Atomic checkpoints].
+
+    Raises:
+        FileExistsError: ``path`` exists and is not a checkpoint written by this function.
     """
     optimizer.sync_params()
     final = Path(path)
+    _check_destination(final)
     staging = final.with_name(final.name + _PARTIAL_SUFFIX)
     group = optimizer.process_group
     if optimizer.rank == 0:
@@ -68,7 +76,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
     dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), process_group=group)
     dist.barrier(group=group)
     if optimizer.rank == 0:
-        _swap_into_place(staging, final)
+        _publish(staging, final)
     dist.barrier(group=group)
 
 
@@ -254,10 +262,26 @@ def _restore_hyperparameters(optimizer: ShardingStage1, entries: dict[str, Any])
     optimizer._sync_hyperparameters()
 
 
-def _swap_into_place(staging: Path, final: Path) -> None:
-    previous = final.with_name(final.name + ".previous")
-    shutil.rmtree(previous, ignore_errors=True)
-    if final.exists():
-        final.rename(previous)
-    staging.rename(final)
-    shutil.rmtree(previous, ignore_errors=True)
+def _publish(staging: Path, final: Path) -> None:
+    """Make the complete checkpoint in ``staging`` the one ``final`` points at, atomically."""
+    version = final.with_name(f"{final.name}{_VERSION_MARK}{uuid.uuid4().hex[:12]}")
+    staging.rename(version)
+    _point_link(final, version)
+    for stale in final.parent.glob(f"{final.name}{_VERSION_MARK}*"):
+        if stale != version and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _point_link(final: Path, version: Path) -> None:
+    link = final.with_name(final.name + ".link")
+    link.unlink(missing_ok=True)
+    link.symlink_to(version.name)
+    os.replace(link, final)  # atomic: readers see the old or the new checkpoint, never neither
+
+
+def _check_destination(final: Path) -> None:
+    if final.exists() and not final.is_symlink():
+        raise FileExistsError(
+            f"save_checkpoint: {final} exists and is not a checkpoint written by save_checkpoint "
+            "(those are links to a PATH.ckpt-<id> folder); choose another path or remove it"
+        )
