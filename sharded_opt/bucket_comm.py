@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup, Work
+from torch.futures import Future
 
 from fusion.buffers import FlatBuffers
 from sharded_opt import collectives
@@ -81,7 +82,7 @@ class BucketCommunicator:
         self.precisions = precisions
         self.stream = new_comm_stream(buffers.plan.buckets[0].device)
         num_buckets = len(buffers.plan.buckets)
-        self._grad_works: list[Work | None] = [None] * num_buckets
+        self._grad_works: list[Work | Future | None] = [None] * num_buckets
         self._reduce_inputs: list[Tensor | None] = [None] * num_buckets
         self._param_works: list[Work | None] = [None] * num_buckets
         self._param_views: list[Tensor] = []

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch.distributed import Work
+from torch.futures import Future
 
 
 def new_comm_stream(device: torch.device) -> torch.Stream | None:
@@ -66,7 +67,7 @@ def wait_compute(comm_stream: torch.Stream | None) -> torch.Event | None:
     return event
 
 
-def wait_comm(works: Iterable[Work | None]) -> None:
+def wait_comm(works: Iterable[Work | Future | None]) -> None:
     """Make the current compute stream (on CPU: the host) wait for the given collectives.
 
     Raises whatever a failed collective raised, in the caller's thread, so an error in
