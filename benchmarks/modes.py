@@ -199,7 +199,7 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def comm_bytes_per_step(runner: Runner, world_size: int, backend: str) -> dict[str, float]:
+def comm_bytes_per_step(runner: Runner, world_size: int) -> dict[str, float]:
     """Bytes a step hands to collectives (``payload``) and a ring estimate of what each rank
     sends (``wire_per_rank``).
 
@@ -209,16 +209,16 @@ def comm_bytes_per_step(runner: Runner, world_size: int, backend: str) -> dict[s
         wire (N-1)/N * B + (N-1)/N * B = 2(N-1)/N * B (same as DDP up to padding).
       ZeroRedundancyOptimizer: DDP's all-reduce plus one broadcast of each param from its owner:
         payload 2P, wire >= 3(N-1)/N * P.
-    gloo has no native reduce-scatter: torch runs it as a full all-reduce and keeps one slice, so
-    on gloo the sharded modes' wire is 2(N-1)/N * B + (N-1)/N * B = 3(N-1)/N * B, 1.5x DDP's.
+    gloo has no native reduce-scatter (torch runs it as a full all-reduce); ShardingStage1 therefore
+    reduce-scatters on gloo with an all-to-all, which sends the same (N-1)/N * B (see Note
+    [Reduce-scatter on gloo] in sharded_opt/collectives.py).
     """
     if world_size == 1:
         return {"payload": 0.0, "wire_per_rank": 0.0}
     ring = (world_size - 1) / world_size
     if isinstance(runner.optimizer, ShardingStage1):
         padded = sum(b.padded_numel * b.dtype.itemsize for b in runner.optimizer.plan.buckets)
-        reduce_scatter = 2 * ring * padded if backend == "gloo" else ring * padded
-        return {"payload": 2.0 * padded, "wire_per_rank": reduce_scatter + ring * padded}
+        return {"payload": 2.0 * padded, "wire_per_rank": 2 * ring * padded}
     params = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.requires_grad)
     if runner.name == "zero":
         return {"payload": 2.0 * params, "wire_per_rank": 3 * ring * params}

@@ -57,7 +57,6 @@ def compare_rank(config: RunConfig) -> dict:
     torch.set_num_threads(config.threads)
     group = link_group(config.link) if config.link else dist.group.WORLD
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    backend = dist.get_backend(group)
     spec = _mode_spec(config, group)
     batches = _batches(config, rank, world_size, spec.device)
     runners = {name: build_runner(name, spec) for name in config.modes}
@@ -72,7 +71,7 @@ def compare_rank(config: RunConfig) -> dict:
         "times": times,
         "losses": {name: values for name, values in losses.items() if name != COMM_ONLY},
         "state_bytes": {name: r.state_bytes() for name, r in runners.items() if name != COMM_ONLY},
-        "comm_bytes": {name: comm_bytes_per_step(r, world_size, backend) for name, r in runners.items()},
+        "comm_bytes": {name: comm_bytes_per_step(r, world_size) for name, r in runners.items()},
         "num_params": sum(p.numel() for p in next(iter(runners.values())).model.parameters()),
         "agreement": _param_agreement(runners),
         "buckets": _bucket_sizes(runners),
