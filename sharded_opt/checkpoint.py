@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fusion.layout import ParamSlot, ShardPiece
 from sharded_opt.state_dict import expected_state_keys, local_pieces
@@ -87,7 +88,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint.
-        ValueError: the checkpoint belongs to another model or optimizer layout.
+        ValueError: the checkpoint belongs to another model or optimizer layout, or its files
+            are damaged.
     """
     folder = Path(path)
     if not (folder / ".metadata").is_file():
@@ -119,7 +121,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
         for master in optimizer._comm.master_copies()
     ]
     state = {**model_entries, **_optimizer_entries(optimizer, bucket_states, masters)}
-    dcp.load(state, storage_reader=reader, process_group=optimizer.process_group)
+    try:
+        dcp.load(state, storage_reader=reader, process_group=optimizer.process_group)
+    except CheckpointException as error:  # a BaseException: it would slip past `except Exception`
+        raise ValueError(
+            f"load_checkpoint: {folder} could not be read (damaged files, or written for another model "
+            f"or optimizer); nothing was changed. DCP reported: {error}"
+        ) from error
     with torch.no_grad():
         for key, value in _model_entries(model).items():
             value.copy_(state[key])

@@ -58,10 +58,16 @@ class GradReadyTracker:
         self._counted = bytearray(len(self._buffers.params))
         self._next_to_launch = 0
         self._callback_queued = False
+        self._flushed_at_end = False
 
     @property
-    def all_launched(self) -> bool:
-        return self._next_to_launch == len(self._buckets)
+    def backward_unfinished(self) -> bool:
+        """A backward counted grads but never reached its end (it raised midway)."""
+        return self._callback_queued and not self._flushed_at_end
+
+    def _flush_at_end_of_backward(self) -> None:
+        self._flushed_at_end = True
+        self.flush()
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -81,7 +87,7 @@ class GradReadyTracker:
         self._counted[param_index] = 1
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush_at_end_of_backward)
         self._counts[bucket_index] += 1
         self._launch_ready()
 

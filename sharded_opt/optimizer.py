@@ -331,6 +331,14 @@ class ShardingStage1(torch.optim.Optimizer):
                 "in place instead (`with torch.no_grad(): param.copy_(new)`)"
             )
 
+    def _check_backward_finished(self) -> None:
+        if self._grad_tracker is not None and self._grad_tracker.backward_unfinished:
+            raise RuntimeError(
+                "ShardingStage1.step: the last backward raised before it finished, so its grads are "
+                "partial (some buckets were already being reduced). Call opt.zero_grad() to discard "
+                "them, then run the iteration again"
+            )
+
     def _start_iteration(self) -> None:
         self._grads_reduced = False
         if self._grad_tracker is not None:
@@ -339,6 +347,7 @@ class ShardingStage1(torch.optim.Optimizer):
     def _reduce_grads(self) -> None:
         if self._grads_reduced:
             return
+        self._check_backward_finished()
         if self._grad_tracker is not None:
             self._grad_tracker.flush()
         else:
