@@ -291,9 +291,11 @@ def _run_rank(
     except BaseException:
         failure = Path(result_dir) / f"rank{rank}.error"
         failure.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
+        # No destroy_process_group here: a failed rank may still have asynchronous collectives in
+        # flight, and tearing the group down under them aborts the process (SIGABRT), which
+        # would hide the exception. The process is about to exit anyway.
         raise
-    finally:
-        dist.destroy_process_group()
+    dist.destroy_process_group()
     buffer = io.BytesIO()
     torch.save(result, buffer)
     path = Path(result_dir) / f"rank{rank}.pt"

@@ -1,177 +1,251 @@
-"""Every wrong use named by the foundation issue gets a clear error that names the fix."""
+"""The catalog of wrong uses: each row is one mistake, the exception it gets and the message
+that names the fix. The README's "Errors" table lists the same mistakes.
+
+Rows run in the pytest process on a one-rank gloo group (or with none, where the mistake is the
+missing group); mistakes that need several ranks run together in one spawned job at the end.
+"""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy, save_checkpoint
 from tests.dist_helper import run_ranks
-from tests.training import make_model
+from tests.training import GLOBAL_BATCH, make_model
 
 
-def _adamw(*params: nn.Parameter) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params or [nn.Parameter(torch.ones(3))])
+@dataclass(frozen=True)
+class BadInput:
+    name: str
+    call: Callable[[], object]
+    error: type[BaseException]
+    match: str
+    needs_group: bool = True
 
 
-def test_not_a_torch_optimizer(single_rank_group) -> None:
-    with pytest.raises(TypeError, match="expects a torch.optim.Optimizer instance.*got list"):
-        ShardingStage1([nn.Parameter(torch.ones(2))])
+def _param(*shape: int, **kwargs) -> nn.Parameter:
+    return nn.Parameter(torch.ones(*shape, **kwargs))
 
 
-def test_only_frozen_params(single_rank_group) -> None:
-    frozen = nn.Parameter(torch.ones(3), requires_grad=False)
-    with pytest.raises(ValueError, match="trainable params but got 1 params, none with requires_grad"):
-        ShardingStage1(torch.optim.SGD([frozen], lr=0.1))
-
-
-def test_empty_optimizer(single_rank_group) -> None:
-    optimizer = _adamw()
-    optimizer.param_groups[0]["params"].clear()
-    with pytest.raises(ValueError, match="trainable params but got 0 params"):
-        ShardingStage1(optimizer)
-
-
-def test_same_param_twice_in_one_group(single_rank_group) -> None:
-    param = nn.Parameter(torch.ones(3))
+def _same_param_twice_in_one_group() -> None:
+    param = _param(3)
     with pytest.warns(UserWarning, match="duplicate"):
         optimizer = torch.optim.SGD([param, param], lr=0.1)
-    with pytest.raises(ValueError, match="each param once but param 1 .*same tensor as param 0"):
-        ShardingStage1(optimizer)
+    ShardingStage1(optimizer)
 
 
-def test_same_param_in_two_groups(single_rank_group) -> None:
-    first, second = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+def _same_param_in_two_groups() -> None:
+    first, second = _param(3), _param(2)
     optimizer = torch.optim.SGD([{"params": [first]}, {"params": [second]}], lr=0.1)
     optimizer.param_groups[1]["params"].append(first)
-    with pytest.raises(ValueError, match=r"param 2 \(group 1\) is the same tensor as param 0"):
-        ShardingStage1(optimizer)
+    ShardingStage1(optimizer)
 
 
-def test_params_on_different_devices(single_rank_group) -> None:
-    on_cpu = nn.Parameter(torch.ones(3))
-    on_meta = nn.Parameter(torch.ones(3, device="meta"))
-    with pytest.raises(ValueError, match=r"all params on one device but got params on \['cpu', 'meta'\]"):
-        ShardingStage1(torch.optim.SGD([on_cpu, on_meta], lr=0.1))
+def _empty_optimizer() -> None:
+    optimizer = torch.optim.AdamW([_param(3)])
+    optimizer.param_groups[0]["params"].clear()
+    ShardingStage1(optimizer)
 
 
-def test_sparse_param(single_rank_group) -> None:
-    sparse = nn.Parameter(torch.sparse_coo_tensor([[0]], [1.0], (3,), check_invariants=True))
-    with pytest.raises(ValueError, match="dense params but param 0 .* has layout torch.sparse_coo"):
-        ShardingStage1(torch.optim.SGD([sparse], lr=0.1))
+def _wrapped_twice() -> None:
+    inner = torch.optim.AdamW([_param(3)])
+    ShardingStage1(inner)
+    ShardingStage1(inner)
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda p: torch.optim.LBFGS([p]),
-        lambda p: torch.optim.SparseAdam([p]),
-        lambda p: type("MyAdam", (torch.optim.Adam,), {})([p]),
-    ],
-    ids=["LBFGS", "SparseAdam", "unknown_subclass"],
-)
-def test_non_elementwise_optimizer(single_rank_group, make) -> None:
-    optimizer = make(nn.Parameter(torch.ones(3)))
-    with pytest.raises(
-        TypeError, match="only correct for element-wise optimizers .*AdamW.*assume_elementwise"
-    ):
-        ShardingStage1(optimizer)
+def _original_stepped_after_wrapping() -> None:
+    inner = torch.optim.AdamW([_param(3)])
+    ShardingStage1(inner)
+    inner.step()
+
+
+def _already_stepped() -> None:
+    param = _param(3)
+    inner = torch.optim.Adam([param])
+    param.grad = torch.ones(3)
+    inner.step()
+    ShardingStage1(inner)
+
+
+def _add_param_group_after_wrapping() -> None:
+    ShardingStage1(torch.optim.AdamW([_param(3)])).add_param_group({"params": [_param(2)]})
+
+
+def _attach_foreign_model() -> None:
+    model = make_model()
+    ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True).attach(nn.Linear(2, 2))
+
+
+def _param_data_reassigned() -> None:
+    model = make_model()
+    optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1))
+    model.fc1.weight.data = torch.zeros_like(model.fc1.weight)
+    optimizer.step()
+
+
+def _bad_norm_type() -> None:
+    ShardingStage1(torch.optim.SGD(make_model().parameters(), lr=0.1)).clip_grad_norm_(1.0, norm_type=0)
+
+
+def _bad_to_rank() -> None:
+    ShardingStage1(torch.optim.SGD(make_model().parameters(), lr=0.1)).state_dict(to_rank=3)
+
+
+def _save_over_foreign_folder(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    model = make_model()
+    save_checkpoint(folder, model, ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1)))
+
+
+def _my_adam(param: nn.Parameter) -> torch.optim.Optimizer:
+    return type("MyAdam", (torch.optim.Adam,), {})([param])
+
+
+CASES = [
+    BadInput("not_an_optimizer", lambda: ShardingStage1([_param(2)]), TypeError,
+             "expects a torch.optim.Optimizer instance.*got list"),
+    BadInput("only_frozen_params",
+             lambda: ShardingStage1(torch.optim.SGD([_param(3).requires_grad_(False)], lr=0.1)),
+             ValueError, "trainable params but got 1 params, none with requires_grad"),
+    BadInput("no_params", _empty_optimizer, ValueError, "trainable params but got 0 params"),
+    BadInput("same_param_twice_in_one_group", _same_param_twice_in_one_group, ValueError,
+             "each param once but param 1 .*same tensor as param 0"),
+    BadInput("same_param_in_two_groups", _same_param_in_two_groups, ValueError,
+             r"param 2 \(group 1\) is the same tensor as param 0"),
+    BadInput("params_on_two_devices",
+             lambda: ShardingStage1(torch.optim.SGD([_param(3), _param(3, device="meta")], lr=0.1)),
+             ValueError, r"all params on one device but got params on \['cpu', 'meta'\]"),
+    BadInput("sparse_param",
+             lambda: ShardingStage1(torch.optim.SGD(
+                 [nn.Parameter(torch.sparse_coo_tensor([[0]], [1.0], (3,), check_invariants=True))], lr=0.1)),
+             ValueError, "dense params but param 0 .* has layout torch.sparse_coo"),
+    BadInput("lbfgs", lambda: ShardingStage1(torch.optim.LBFGS([_param(3)])), TypeError,
+             "only correct for element-wise optimizers .*AdamW.*assume_elementwise"),
+    BadInput("sparse_adam", lambda: ShardingStage1(torch.optim.SparseAdam([_param(3)])), TypeError,
+             "only correct for element-wise optimizers"),
+    BadInput("unknown_optimizer_subclass", lambda: ShardingStage1(_my_adam(_param(3))), TypeError,
+             "but got MyAdam. If every element's update depends only on its own grad"),
+    BadInput("no_process_group", lambda: ShardingStage1(torch.optim.AdamW([_param(3)])), RuntimeError,
+             "initialized torch.distributed process group.*init_parallel_env", needs_group=False),
+    BadInput("strategy_not_a_strategy", lambda: ShardingStage1(torch.optim.AdamW([_param(3)]), strategy={}),
+             TypeError, "strategy to be a sharded_opt.Strategy but got dict"),
+    BadInput("overlap_not_a_bool", lambda: ShardingStage1(torch.optim.AdamW([_param(3)]), overlap="yes"),
+             TypeError, "overlap to be a bool or None but got 'yes'"),
+    BadInput("strategy_overlap_not_a_bool", lambda: setattr(Strategy().sharding, "enable_overlap", 1),
+             ValueError, "enable_overlap expects a bool but got 1", needs_group=False),
+    BadInput("strategy_bucket_size_zero", lambda: ShardingConfig(bucket_size_mb=0), ValueError,
+             "bucket_size_mb expects a number > 0 but got 0", needs_group=False),
+    BadInput("strategy_align_not_power_of_two", lambda: ShardingConfig(align_bytes=100), ValueError,
+             "align_bytes expects a power of two >= 1 but got 100", needs_group=False),
+    BadInput("strategy_dtype_not_floating", lambda: ShardingConfig(master_dtype=torch.int32), ValueError,
+             "master_dtype expects None or a floating torch.dtype but got torch.int32", needs_group=False),
+    BadInput("strategy_unknown_setting", lambda: setattr(Strategy().sharding, "overlap", True),
+             AttributeError, "has no setting 'overlap'", needs_group=False),
+    BadInput("strategy_section_not_a_config", lambda: Strategy(sharding={"enable": True}), TypeError,
+             "sharding to be a ShardingConfig", needs_group=False),
+    BadInput("wrapped_twice", _wrapped_twice, ValueError, "already wrapped"),
+    BadInput("original_stepped_after_wrapping", _original_stepped_after_wrapping, RuntimeError,
+             "wrapped by ShardingStage1; call the wrapper's step"),
+    BadInput("optimizer_already_stepped", _already_stepped, ValueError,
+             "has not stepped yet but it holds state for 1 params"),
+    BadInput("add_param_group_after_wrapping", _add_param_group_after_wrapping, RuntimeError,
+             "add every param group to the torch optimizer first"),
+    BadInput("attach_model_not_owning_params", _attach_foreign_model, ValueError,
+             "model that owns the optimizer's params but 7 trainable"),
+    BadInput("param_data_reassigned", _param_data_reassigned, RuntimeError,
+             r"no longer live in the flat buffers .*param.data = "),
+    BadInput("clip_norm_type_not_positive", _bad_norm_type, ValueError, "norm_type > 0"),
+    BadInput("state_dict_to_rank_out_of_range", _bad_to_rank, ValueError, r"to_rank in \[0, 1\) but got 3"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_bad_input_gets_a_clear_error(case: BadInput, request: pytest.FixtureRequest) -> None:
+    if case.needs_group:
+        request.getfixturevalue("single_rank_group")
+    else:
+        assert not dist.is_initialized()
+    with pytest.raises(case.error, match=case.match):
+        case.call()
+
+
+def test_save_over_a_folder_it_did_not_write(single_rank_group, tmp_path: Path) -> None:
+    with pytest.raises(FileExistsError, match="exists and is not a checkpoint written by save_checkpoint"):
+        _save_over_foreign_folder(tmp_path / "not_a_checkpoint")
 
 
 def test_custom_optimizer_accepted_on_opt_in(single_rank_group) -> None:
-    param = nn.Parameter(torch.ones(3))
-    optimizer = ShardingStage1(
-        type("MyAdam", (torch.optim.Adam,), {})([param], lr=0.1), assume_elementwise=True
-    )
+    param = _param(3)
+    optimizer = ShardingStage1(_my_adam(param), assume_elementwise=True)
     param.grad.fill_(1.0)
     optimizer.step()
     assert torch.all(param < 1.0)
 
 
-def test_process_group_not_initialized() -> None:
-    assert not dist.is_initialized()
-    with pytest.raises(RuntimeError, match="initialized torch.distributed process group.*init_parallel_env"):
-        ShardingStage1(_adamw())
-
-
-def test_invalid_strategy_values() -> None:
-    with pytest.raises(ValueError, match="enable_overlap expects a bool but got 1"):
-        Strategy().sharding.enable_overlap = 1
-    with pytest.raises(ValueError, match="bucket_size_mb expects a number > 0 but got 0"):
-        ShardingConfig(bucket_size_mb=0)
-    with pytest.raises(ValueError, match="align_bytes expects a power of two >= 1 but got 100"):
-        ShardingConfig(align_bytes=100)
-    with pytest.raises(AttributeError):
-        Strategy().sharding.overlap = True
-    with pytest.raises(TypeError, match="sharding to be a ShardingConfig"):
-        Strategy(sharding={"enable": True})
-
-
-def test_invalid_wrapper_arguments(single_rank_group) -> None:
-    with pytest.raises(TypeError, match="strategy to be a sharded_opt.Strategy but got dict"):
-        ShardingStage1(_adamw(), strategy={"enable_overlap": True})
-    with pytest.raises(TypeError, match="overlap to be a bool or None but got 'yes'"):
-        ShardingStage1(_adamw(), overlap="yes")
+def test_adagrad_eager_state_is_not_mistaken_for_a_step(single_rank_group) -> None:
+    ShardingStage1(torch.optim.Adagrad([_param(3)]))
 
 
 def test_strategy_is_copied_and_overlap_argument_overrides(single_rank_group) -> None:
     strategy = Strategy()
-    optimizer = ShardingStage1(_adamw(), strategy=strategy, overlap=True)
+    optimizer = ShardingStage1(torch.optim.AdamW([_param(3)]), strategy=strategy, overlap=True)
     strategy.sharding.enable_overlap = False
     assert optimizer.overlap is True
     assert strategy.sharding.enable_overlap is False
 
 
-def test_wrapped_twice_and_original_step_refused(single_rank_group) -> None:
-    inner = _adamw()
-    ShardingStage1(inner)
-    with pytest.raises(ValueError, match="already wrapped"):
-        ShardingStage1(inner)
-    with pytest.raises(RuntimeError, match="wrapped by ShardingStage1; call the wrapper's step"):
-        inner.step()
+# -- mistakes that need several ranks: each returns the error message it got ------------------------
 
 
-def test_optimizer_that_already_stepped(single_rank_group) -> None:
-    param = nn.Parameter(torch.ones(3))
-    inner = torch.optim.Adam([param])
-    param.grad = torch.ones(3)
-    inner.step()
-    with pytest.raises(ValueError, match="has not stepped yet but it holds state for 1 params"):
-        ShardingStage1(inner)
+def _ranks_with_different_models() -> str:
+    size = 3 if dist.get_rank() == 0 else 4
+    ShardingStage1(torch.optim.SGD([_param(size)], lr=0.1))
+    return "no error"
 
 
-def test_adagrad_eager_state_is_not_mistaken_for_a_step(single_rank_group) -> None:
-    ShardingStage1(torch.optim.Adagrad([nn.Parameter(torch.ones(3))]))
-
-
-def test_add_param_group_after_wrapping(single_rank_group) -> None:
-    optimizer = ShardingStage1(_adamw())
-    with pytest.raises(RuntimeError, match="add every param group to the torch optimizer first"):
-        optimizer.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
-
-
-def test_attach_model_that_does_not_own_the_params(single_rank_group) -> None:
+def _second_backward_outside_no_sync() -> str:
     model = make_model()
     optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True)
-    with pytest.raises(ValueError, match="model that owns the optimizer's params but 7 trainable"):
-        optimizer.attach(nn.Linear(2, 2))
+    inputs = torch.randn(GLOBAL_BATCH, 12)
+    model(inputs).sum().backward()
+    try:
+        model(inputs).sum().backward()
+    finally:
+        optimizer.zero_grad()  # the first backward's reductions are still in flight
+    return "no error"
 
 
-def test_param_data_reassigned_is_detected(single_rank_group) -> None:
-    model = make_model()
-    optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1))
-    model.fc1.weight.data = torch.zeros_like(model.fc1.weight)
-    with pytest.raises(RuntimeError, match=r"no longer live in the flat buffers .*param.data = "):
-        optimizer.step()
+MULTI_RANK_CASES: dict[str, tuple[Callable[[], str], str]] = {
+    "ranks_with_different_models": (
+        _ranks_with_different_models,
+        r"rank 1 differs from rank 0: param 0 is shape \[4\] torch.float32 in group 0 instead of shape \[3\]",
+    ),
+    "second_backward_outside_no_sync": (
+        _second_backward_outside_no_sync,
+        "a second backward ran before step\\(\\).*`with opt.no_sync\\(\\):`",
+    ),
+}
 
 
-def test_ranks_with_different_models() -> None:
-    with pytest.raises(Exception, match=r"rank 1 differs from rank 0: param 0 is shape \[4\]"):
-        run_ranks(_mismatched_models, 2)
+def _run_multi_rank_cases() -> dict[str, str]:
+    outcomes = {}
+    for name, (call, _) in MULTI_RANK_CASES.items():
+        try:
+            outcomes[name] = call()
+        except (ValueError, RuntimeError) as error:
+            outcomes[name] = f"{type(error).__name__}: {error}"
+    return outcomes
 
 
-def _mismatched_models() -> None:
-    size = 3 if dist.get_rank() == 0 else 4
-    ShardingStage1(torch.optim.SGD([nn.Parameter(torch.ones(size))], lr=0.1))
+def test_multi_rank_mistakes_get_clear_errors_on_every_rank() -> None:
+    for outcomes in run_ranks(_run_multi_rank_cases, 2):
+        for name, (_, pattern) in MULTI_RANK_CASES.items():
+            assert re.search(pattern, outcomes[name], re.DOTALL), (name, outcomes[name])
