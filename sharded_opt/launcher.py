@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import io
 import multiprocessing.connection
 import multiprocessing.process
@@ -295,6 +296,12 @@ def _run_rank(
         # flight, and tearing the group down under them aborts the process (SIGABRT), which
         # would hide the exception. The process is about to exit anyway.
         raise
+    # Objects kept alive by reference cycles (hooks whose closures hold the optimizer, which holds
+    # the group) would otherwise outlive destroy_process_group and be destroyed during interpreter
+    # shutdown, where the gloo group's threads make the process abort (SIGABRT) after it already
+    # succeeded. Collect them while the group is still whole, then tear it down together.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
     buffer = io.BytesIO()
     torch.save(result, buffer)
