@@ -29,6 +29,7 @@ from sharded_opt import (
     Strategy,
     launcher,
     load_checkpoint,
+    rank_failures,
     save_checkpoint,
     spawn,
 )
@@ -145,7 +146,7 @@ def test_the_dead_rank_is_reported_whichever_failure_torch_saw_first(
     always reports the death, with the peers' errors after it."""
     trace = "Traceback (most recent call last):\n  ...\nRuntimeError: Connection reset by peer\n"
     (tmp_path / "rank0.error").write_text(f"{time.time()!r}\n{trace}")
-    outcome = launcher._Outcome(tmp_path, pids=[100, 101, 102], exit_codes=[1, -9, None], grace_s=5.0)
+    outcome = rank_failures.RankOutcome(tmp_path, pids=[100, 101, 102], exit_codes=[1, -9, None], grace_s=5.0)
     if reported_rank == 0:
         reported = mp.ProcessRaisedException(
             f"-- Process 0 terminated with the following error:\n{trace}", 0, 100
@@ -155,7 +156,7 @@ def test_the_dead_rank_is_reported_whichever_failure_torch_saw_first(
             "process 1 terminated with signal SIGKILL", 1, 101, -9, "SIGKILL"
         )
     with pytest.raises(mp.ProcessExitedException) as caught:
-        launcher._raise_root_cause(reported, outcome)
+        rank_failures.raise_root_cause(reported, outcome)
     assert str(caught.value) == (
         "rank 1 was killed by SIGKILL (exit code -9), without raising an exception; the other ranks then "
         "failed with:\n  rank 0: RuntimeError: Connection reset by peer\n  ranks [2] were still running 5 s "
@@ -167,12 +168,12 @@ def test_the_dead_rank_is_reported_whichever_failure_torch_saw_first(
 
 
 def test_a_rank_that_exits_without_raising_is_named(tmp_path: Path) -> None:
-    outcome = launcher._Outcome(tmp_path, pids=[100, 101], exit_codes=[0, 3], grace_s=5.0)
+    outcome = rank_failures.RankOutcome(tmp_path, pids=[100, 101], exit_codes=[0, 3], grace_s=5.0)
     reported = mp.ProcessExitedException("process 1 terminated with exit code 3", 1, 101, 3)
     with pytest.raises(
         mp.ProcessExitedException, match=r"^rank 1 exited with code 3, without raising an exception$"
     ):
-        launcher._raise_root_cause(reported, outcome)
+        rank_failures.raise_root_cause(reported, outcome)
 
 
 def _train_with_hung_rank(victim: int, hang_step: int, pid_folder: str) -> None:
