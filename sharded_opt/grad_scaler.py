@@ -23,6 +23,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
     """Use exactly like ``torch.amp.GradScaler`` (``scale``, ``unscale_``, ``step``, ``update``)
     with a :class:`ShardingStage1`; see Note [Loss scaling with sharded grads]."""
 
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        """As ``GradScaler.step``; a step skipped for an inf also ends the wrapper's iteration,
+        so the next backward starts clean whichever way grads are zeroed."""
+        result = super().step(optimizer, *args, **kwargs)
+        if isinstance(optimizer, ShardingStage1) and optimizer._grads_reduced:
+            optimizer._start_iteration()  # the step was skipped: its grads are discarded
+        return result
+
     def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,

@@ -195,7 +195,7 @@ def _scaled_fp16_training(inf_step: int) -> dict:
         if step == inf_step and rank == 1:
             inputs[0, 0] = float("inf")  # an overflow on one rank only
         before = [p.detach().clone() for p in model.parameters()]
-        optimizer.zero_grad()
+        model.zero_grad(set_to_none=True)  # not opt.zero_grad(): a skipped step must not need it
         scaler.scale(model(inputs).float().square().mean()).backward()
         scaler.step(optimizer)
         scaler.update()
