@@ -212,6 +212,13 @@ class BucketCommunicator:
         """Buckets whose updated params are still being all-gathered."""
         return [index for index, work in enumerate(self._param_works) if work is not None]
 
+    def reduced_grad_tensors(self) -> list[Tensor]:
+        """The persistent grad tensors this class allocated beyond the flat grad buffers: the
+        averaged shard grads and, with a master copy of another dtype, the master's grads."""
+        buffers = {id(g) for g in self.buffers.grad_buffers}
+        tensors = {id(t): t for t in (*self._reduced_grads, *self.local_grads()) if id(t) not in buffers}
+        return list(tensors.values())
+
     def local_grads(self) -> list[Tensor]:
         """The reduced grads the optimizer steps, one flat tensor per bucket."""
         return [local.grad for local in self.local_params]

@@ -67,7 +67,7 @@ def bucket_state(inner: torch.optim.Optimizer, chunks: list[Tensor]) -> dict[str
         return {}
     result: dict[str, Any] = {}
     for key, value in states[0].items():
-        if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == chunks[0].numel():
+        if is_elementwise(value, chunks[0].numel()):
             result[key] = torch.cat([state[key] for state in states]) if len(states) > 1 else value
         else:
             result[key] = value
@@ -85,13 +85,14 @@ def load_bucket_states(
     for bucket_chunks, state in zip(chunks, states, strict=True):
         if not state:
             continue
+        total = sum(chunk.numel() for chunk in bucket_chunks)
         start = 0
         for chunk in bucket_chunks:
             end = start + chunk.numel()
             # Scalars are cloned per chunk: optimizers update ``step`` in place, so a tensor
             # shared by the chunks would be advanced once per chunk.
             inner_state[position[id(chunk)]] = {
-                key: value[start:end] if _is_elementwise(value, bucket_chunks) else _copy(value)
+                key: value[start:end] if is_elementwise(value, total) else _copy(value)
                 for key, value in state.items()
             }
             start = end
@@ -110,10 +111,11 @@ def indexed_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return groups
 
 
+def is_elementwise(value: Any, local_numel: int) -> bool:
+    """Whether an optimizer state value is per element of a local tensor of ``local_numel``
+    (``exp_avg``...) rather than a scalar shared by all its elements (``step``)."""
+    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == local_numel
+
+
 def _copy(value: Any) -> Any:
     return value.clone() if isinstance(value, Tensor) else value
-
-
-def _is_elementwise(value: Any, bucket_chunks: list[Tensor]) -> bool:
-    total = sum(chunk.numel() for chunk in bucket_chunks)
-    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == total

@@ -260,15 +260,11 @@ class ShardingStage1(torch.optim.Optimizer):
         def nbytes(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in tensors)
 
-        comm = self._comm
-        grad_buffer_ids = {id(g) for g in self._buffers.grad_buffers}
-        reduced = {id(g): g for g in comm._reduced_grads if id(g) not in grad_buffer_ids}
-        reduced.update((id(p.grad), p.grad) for p in comm.local_params if id(p.grad) not in grad_buffer_ids)
         return {
             "params": nbytes(self._buffers.param_buffers),
             "grads": nbytes(self._buffers.grad_buffers),
-            "reduced_grads": nbytes(reduced.values()),
-            "master": nbytes(m for m in comm.master_copies() if m is not None),
+            "reduced_grads": nbytes(self._comm.reduced_grad_tensors()),
+            "master": nbytes(m for m in self._comm.master_copies() if m is not None),
             "optimizer_state": self.optimizer_state_bytes(),
         }
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fusion.layout import BucketPlan, ShardPiece
-from sharded_opt.inner_optimizer import constructor_kwargs, indexed_groups
+from sharded_opt.inner_optimizer import constructor_kwargs, indexed_groups, is_elementwise
 
 if TYPE_CHECKING:
     from sharded_opt.optimizer import ShardingStage1
@@ -45,10 +45,6 @@ def local_pieces(optimizer: ShardingStage1) -> dict[int, ShardPiece]:
                 for slot in bucket.slots
             )
     return pieces
-
-
-def is_elementwise(value: Any, local_numel: int) -> bool:
-    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == local_numel
 
 
 def gather_state_dict(optimizer: ShardingStage1, to_rank: int | None) -> dict[str, Any] | None:
