@@ -1,9 +1,11 @@
 """Flat param and grad buffers that execute a :class:`~fusion.layout.LayoutPlan`.
 
 After construction every laid-out param's ``.data`` is a contiguous view into its bucket's flat
-param buffer and its ``.grad`` a view into the bucket's flat grad buffer, so a bucket's params
-or grads can be handed to one collective or one optimizer kernel as a single tensor. This module
-knows nothing of communication; it only owns memory and views.
+param buffer and, once the bucket has a grad buffer, its ``.grad`` a view into that buffer, so a
+bucket's params or grads can be handed to one collective or one optimizer kernel as a single
+tensor. A bucket of params that were frozen when the plan was made gets its grad buffer only when
+:meth:`FlatBuffers.allocate_grads` is called (a param of it was unfrozen), so frozen weights cost
+no grad memory. This module knows nothing of communication; it only owns memory and views.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ from fusion.layout import BucketPlan, LayoutPlan
 
 
 class FlatBuffers:
-    """One flat param tensor and one flat grad tensor per bucket of ``plan``.
+    """One flat param tensor per bucket of ``plan`` and, for buckets that need one, a flat grad
+    tensor.
 
     Args:
         plan: the layout to execute.
         params: the params the plan was made for, in the same order; entries whose slot is
-            ``None`` in the plan (frozen params) are left untouched.
+            ``None`` in the plan are left untouched.
 
     Param values are copied in unchanged; padding is zero. A grad the param already had is
-    copied into its view, so wrapping after a backward loses nothing.
+    copied into its view, so wrapping after a backward loses nothing. Grad buffers are allocated
+    at once for buckets planned with ``requires_grad`` and on demand for the others.
     """
 
     def __init__(self, plan: LayoutPlan, params: list[Tensor]) -> None:
@@ -34,31 +38,43 @@ class FlatBuffers:
         self.plan = plan
         self.params = params
         self.param_buffers: list[Tensor] = []
-        self.grad_buffers: list[Tensor] = []
+        self.grad_buffers: list[Tensor | None] = [None] * len(plan.buckets)
         self.param_views: list[Tensor | None] = [None] * len(params)
         self.grad_views: list[Tensor | None] = [None] * len(params)
         self.laid_out_indices = [slot.param_index for bucket in plan.buckets for slot in bucket.slots]
         with torch.no_grad():
             for bucket in plan.buckets:
-                self._allocate(bucket)
+                self._allocate_params(bucket)
+                if bucket.requires_grad:
+                    self.allocate_grads(bucket.index)
 
-    def _allocate(self, bucket: BucketPlan) -> None:
+    def _allocate_params(self, bucket: BucketPlan) -> None:
         param_buffer = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
-        grad_buffer = torch.zeros_like(param_buffer)
         for slot in bucket.slots:
             param = self.params[slot.param_index]
-            end = slot.offset + slot.numel
-            param_view = param_buffer[slot.offset : end].view(slot.shape)
-            grad_view = grad_buffer[slot.offset : end].view(slot.shape)
+            param_view = param_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
             param_view.copy_(param.detach())
+            param.data = param_view
+            self.param_views[slot.param_index] = param_view
+        self.param_buffers.append(param_buffer)
+
+    @torch.no_grad()
+    def allocate_grads(self, bucket_index: int) -> bool:
+        """Give the bucket its grad buffer and its params their grad views (a grad a param
+        already has is copied in); return False if the bucket already had one."""
+        if self.grad_buffers[bucket_index] is not None:
+            return False
+        bucket = self.plan.buckets[bucket_index]
+        grad_buffer = torch.zeros_like(self.param_buffers[bucket_index])
+        for slot in bucket.slots:
+            param = self.params[slot.param_index]
+            grad_view = grad_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
             if param.grad is not None:
                 grad_view.copy_(param.grad)
-            param.data = param_view
             param.grad = grad_view
-            self.param_views[slot.param_index] = param_view
             self.grad_views[slot.param_index] = grad_view
-        self.param_buffers.append(param_buffer)
-        self.grad_buffers.append(grad_buffer)
+        self.grad_buffers[bucket_index] = grad_buffer
+        return True
 
     def param_shard(self, bucket_index: int, rank: int) -> Tensor:
         """``rank``'s shard of the bucket's flat param buffer (a view)."""
@@ -66,29 +82,34 @@ class FlatBuffers:
         return self.param_buffers[bucket_index][start:end]
 
     def grad_shard(self, bucket_index: int, rank: int) -> Tensor:
-        """``rank``'s shard of the bucket's flat grad buffer (a view)."""
+        """``rank``'s shard of the bucket's flat grad buffer (a view); the bucket must have one."""
         start, end = self.plan.buckets[bucket_index].shard_range(rank)
-        return self.grad_buffers[bucket_index][start:end]
+        return self._grad_buffer(bucket_index)[start:end]
 
     def zero_grad(self) -> None:
         """Zero every grad buffer in place (one kernel per bucket) and keep grads attached."""
-        for grad_buffer in self.grad_buffers:
+        for bucket_index, grad_buffer in enumerate(self.grad_buffers):
+            if grad_buffer is None:
+                continue
             grad_buffer.zero_()
-        for index in self.laid_out_indices:
-            self.params[index].grad = self.grad_views[index]
+            for slot in self.plan.buckets[bucket_index].slots:
+                self.params[slot.param_index].grad = self.grad_views[slot.param_index]
 
     def adopt_grad(self, param_index: int) -> bool:
         """Make ``param.grad`` its buffer view again; return True if it had to be re-pointed.
 
         Code outside the wrapper may set ``.grad = None`` (``model.zero_grad()``) or assign a new
         tensor. ``None`` means "no grad": the view is zeroed. A foreign tensor's values are copied
-        into the view. A grad that already is the view is left alone, values included.
+        into the view. A grad that already is the view is left alone, values included. The
+        param's bucket must have a grad buffer.
         """
         param = self.params[param_index]
         view = self.grad_views[param_index]
         grad = param.grad
         if grad is view:
             return False
+        if view is None:
+            raise RuntimeError(f"FlatBuffers.adopt_grad: param {param_index}'s bucket has no grad buffer")
         with torch.no_grad():
             if grad is None:
                 view.zero_()
@@ -104,3 +125,9 @@ class FlatBuffers:
             for index in self.laid_out_indices
             if self.params[index].data_ptr() != self.param_views[index].data_ptr()
         ]
+
+    def _grad_buffer(self, bucket_index: int) -> Tensor:
+        grad_buffer = self.grad_buffers[bucket_index]
+        if grad_buffer is None:
+            raise RuntimeError(f"FlatBuffers: bucket {bucket_index} has no grad buffer yet")
+        return grad_buffer

@@ -17,7 +17,8 @@ Note [Bucket order]
     Params are laid out in reverse registration order, which approximates the order in which
     backward produces their grads; bucket 0 is therefore the first one ready in backward. A param
     is never split across buckets, and a bucket holds one dtype, one device and one param group,
-    so each bucket maps onto one flat tensor and one optimizer param group.
+    so each bucket maps onto one flat tensor and one optimizer param group. Params frozen when the
+    plan is made get buckets of their own, which need no grad buffer until a param is unfrozen.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class ParamSpec:
     dtype: torch.dtype
     device: torch.device
     group_index: int
+    requires_grad: bool = True
+    """Frozen and trainable params never share a bucket, so a bucket of frozen params costs no
+    grad memory and no communication until one of them is unfrozen."""
 
     @property
     def numel(self) -> int:
@@ -46,7 +50,7 @@ class ParamSpec:
 
     @classmethod
     def of(cls, param: torch.Tensor, group_index: int) -> ParamSpec:
-        return cls(tuple(param.shape), param.dtype, param.device, group_index)
+        return cls(tuple(param.shape), param.dtype, param.device, group_index, param.requires_grad)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,7 @@ class BucketPlan:
     used_numel: int
     padded_numel: int
     world_size: int
+    requires_grad: bool = True
 
     @property
     def shard_numel(self) -> int:
@@ -112,7 +117,8 @@ class BucketPlan:
 
 @dataclass(frozen=True, slots=True)
 class LayoutPlan:
-    """The whole layout: buckets in order and, for each input param, its slot (or None if frozen)."""
+    """The whole layout: buckets in order and, for each input param, its slot (or None if it was
+    left out of the plan)."""
 
     buckets: tuple[BucketPlan, ...]
     slots: tuple[ParamSlot | None, ...]
@@ -122,7 +128,7 @@ class LayoutPlan:
     def slot(self, param_index: int) -> ParamSlot:
         slot = self.slots[param_index]
         if slot is None:
-            raise KeyError(f"param {param_index} is not laid out (it does not require grad)")
+            raise KeyError(f"param {param_index} is not laid out (it was left out of the plan)")
         return slot
 
 
@@ -146,7 +152,8 @@ def plan_layout(
 
     Args:
         params: one entry per optimizer param in registration order; ``None`` marks a param that
-            is left out (``requires_grad=False``) and keeps its index free.
+            is left out and keeps its index free. Params that do not require grad get buckets
+            of their own (see :class:`ParamSpec`).
         world_size: number of shards each bucket is split into.
         align_bytes: start alignment of each param and each shard, see Note [Alignment and padding].
         bucket_size_bytes: a bucket is closed once adding the next param would exceed this size;
@@ -165,13 +172,13 @@ def plan_layout(
     if bucket_size_bytes < 1:
         raise ValueError(f"plan_layout expects bucket_size_bytes >= 1 but got {bucket_size_bytes}")
 
-    open_buckets: dict[tuple[torch.dtype, torch.device, int], _OpenBucket] = {}
+    open_buckets: dict[tuple[torch.dtype, torch.device, int, bool], _OpenBucket] = {}
     closed: list[_OpenBucket] = []
     for index in reversed(range(len(params))):
         spec = params[index]
         if spec is None:
             continue
-        key = (spec.dtype, spec.device, spec.group_index)
+        key = (spec.dtype, spec.device, spec.group_index, spec.requires_grad)
         bucket = open_buckets.setdefault(key, _OpenBucket(align_numel(spec.dtype, align_bytes)))
         if bucket.members and bucket.bytes_after(spec) > bucket_size_bytes:
             closed.append(bucket)
@@ -204,7 +211,15 @@ def _build_bucket(
         cursor = offset + spec.numel
     padded = round_up(max(cursor, 1), world_size * align)
     return BucketPlan(
-        bucket_index, first.dtype, first.device, first.group_index, tuple(slots), cursor, padded, world_size
+        bucket_index,
+        first.dtype,
+        first.device,
+        first.group_index,
+        tuple(slots),
+        cursor,
+        padded,
+        world_size,
+        first.requires_grad,
     )
 
 

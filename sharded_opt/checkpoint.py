@@ -4,11 +4,13 @@ Note [Checkpoint layout]
     Every rank writes only what it owns. An element-wise state tensor of a param (``exp_avg``,
     ...) is saved as a 1-D ``ShardedTensor`` of the param's numel whose local shard is the piece
     of the param inside this rank's flat shard; its global metadata is computed from the layout
-    plan, which every rank knows, so building it needs no communication. Loading on a different
-    number of ranks builds the same kind of tensor for the new layout and DCP reads each new
-    piece from whichever saved pieces overlap it. Scalar state (``step``), the model's
-    state dict (full tensors, the same on every rank) and numeric hyperparameters (float64
-    tensors) are replicated entries that DCP writes once.
+    plan, which every rank knows. Loading on a different number of ranks builds the same kind of
+    tensor for the new layout and DCP reads each new piece from whichever saved pieces overlap
+    it. Only params that have state (have been stepped) get entries, as in torch's format; which
+    ones, with which keys and dtypes, is read back from the checkpoint's metadata. Each param's
+    scalar state (its own ``step``), the model's state dict (full tensors, the same on every rank)
+    and hyperparameters (tensors whose entry name records the Python type: int stays int, a
+    Tensor lr stays a Tensor) are replicated entries that DCP writes once.
 
     Only tensors are stored: DCP unpickles non-tensor entries with ``weights_only=False``, so a
     checkpoint of ours never needs it, and loading never asks for a non-tensor entry.
@@ -39,8 +41,9 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fusion.layout import ParamSlot, ShardPiece
-from sharded_opt.state_dict import expected_state_keys, local_pieces
+from fusion.layout import ShardPiece
+from sharded_opt.inner_optimizer import load_param_states, param_states
+from sharded_opt.state_dict import describe_param_states, local_pieces
 
 if TYPE_CHECKING:
     from sharded_opt.optimizer import ShardingStage1
@@ -48,8 +51,11 @@ if TYPE_CHECKING:
 _PARTIAL_SUFFIX = ".partial"
 _VERSION_MARK = ".ckpt-"
 _META_NUM_PARAMS = "meta.num_params"
-_META_HAS_STATE = "meta.has_state"
-_META_HAS_MASTERS = "meta.has_masters"
+_HYPER_FLOAT = "hyper"
+_HYPER_INT = "hyper_int"
+_HYPER_TENSOR = "hyper_tensor"
+_HYPER_TUPLE = "hyper_tuple"
+_HYPER_PREFIXES = (_HYPER_FLOAT + ".", _HYPER_INT + ".", _HYPER_TENSOR + ".", _HYPER_TUPLE + ".")
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: ShardingStage1) -> None:
@@ -69,11 +75,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
     if optimizer.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
     dist.barrier(group=group)
-    masters = optimizer._comm.master_copies()
-    state = {
-        **_model_entries(model),
-        **_optimizer_entries(optimizer, _live_bucket_states(optimizer), masters),
-    }
+    state = {**_model_entries(model), **_save_entries(optimizer)}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), process_group=group)
     dist.barrier(group=group)
     if optimizer.rank == 0:
@@ -99,28 +101,24 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
         )
     optimizer.sync_params()
     reader = dcp.FileSystemReader(folder)
-    meta = {
-        name: torch.zeros((), dtype=torch.int64)
-        for name in (_META_NUM_PARAMS, _META_HAS_STATE, _META_HAS_MASTERS)
-    }
-    dcp.load(meta, storage_reader=reader, process_group=optimizer.process_group)
+    meta = {_META_NUM_PARAMS: torch.zeros((), dtype=torch.int64)}
+    try:
+        dcp.load(meta, storage_reader=reader, process_group=optimizer.process_group)
+        saved = reader.read_metadata().state_dict_metadata
+    except CheckpointException as error:
+        raise ValueError(
+            f"load_checkpoint: {folder} could not be read (damaged files, or not written by "
+            f"save_checkpoint); nothing was changed. DCP reported: {error}"
+        ) from error
     num_params = len(optimizer._buffers.params)
     if int(meta[_META_NUM_PARAMS]) != num_params:
         raise ValueError(
             f"load_checkpoint: the checkpoint at {folder} holds {int(meta[_META_NUM_PARAMS])} optimizer "
             f"params but this optimizer has {num_params}; it belongs to another model"
         )
+    plan = _LoadPlan(optimizer, saved)
     model_entries = {key: value.detach().clone() for key, value in _model_entries(model).items()}
-    bucket_states = (
-        _zero_bucket_states(optimizer) if int(meta[_META_HAS_STATE]) else [{} for _ in optimizer.plan.buckets]
-    )
-    # Without saved master copies (saved without master_dtype), the masters are refreshed from
-    # the loaded params at the next step, see Note [Mixed precision] in bucket_comm.
-    masters = [
-        None if master is None or not int(meta[_META_HAS_MASTERS]) else torch.zeros_like(master)
-        for master in optimizer._comm.master_copies()
-    ]
-    state = {**model_entries, **_optimizer_entries(optimizer, bucket_states, masters)}
+    state = {**model_entries, **plan.entries}
     try:
         dcp.load(state, storage_reader=reader, process_group=optimizer.process_group)
     except CheckpointException as error:  # a BaseException: it would slip past `except Exception`
@@ -131,80 +129,134 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
     with torch.no_grad():
         for key, value in _model_entries(model).items():
             value.copy_(state[key])
-    _restore_hyperparameters(optimizer, state)
-    optimizer._load_bucket_states(bucket_states)
-    if any(master is not None for master in masters):
-        optimizer._comm.load_master_copies(masters)
+    plan.install(state)
 
 
 def _model_entries(model: nn.Module) -> dict[str, Tensor]:
     return {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
 
 
-BucketStates = list[dict[str, Tensor]]
-"""Per bucket, the inner optimizer's tensor state of the local flat tensor."""
-
-
-def _live_bucket_states(optimizer: ShardingStage1) -> BucketStates:
-    return [{k: v for k, v in state.items() if isinstance(v, Tensor)} for state in optimizer._bucket_states()]
-
-
-def _zero_bucket_states(optimizer: ShardingStage1) -> BucketStates:
-    expected = [expected_state_keys(optimizer, g) for g in range(len(optimizer.param_groups))]
-    states = []
-    for bucket, local_param in zip(optimizer.plan.buckets, optimizer._comm.local_params, strict=True):
-        states.append(
-            {
-                key: torch.zeros_like(local_param, requires_grad=False) if elementwise else torch.zeros(())
-                for key, elementwise in expected[bucket.group_index].items()
-            }
-        )
-    return states
-
-
-def _optimizer_entries(
-    optimizer: ShardingStage1, bucket_states: BucketStates, masters: list[Tensor | None]
-) -> dict[str, Tensor | ShardedTensor]:
-    """DCP entries that are views of ``bucket_states`` and ``masters``, so loading fills those
-    tensors in place."""
+def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ShardedTensor]:
+    """DCP entries for the optimizer, see Note [Checkpoint layout]."""
     entries: dict[str, Tensor | ShardedTensor] = {
-        _META_NUM_PARAMS: torch.tensor(len(optimizer._buffers.params)),
-        _META_HAS_STATE: torch.tensor(int(any(bucket_states))),
-        _META_HAS_MASTERS: torch.tensor(int(any(master is not None for master in masters))),
+        _META_NUM_PARAMS: torch.tensor(len(optimizer._buffers.params), dtype=torch.int64)
     }
     for group_index, group in enumerate(optimizer.param_groups):
-        for key, value in _numeric_hyperparameters(group).items():
-            entries[f"hyper.{group_index}.{key}"] = value
+        entries.update(_hyperparameter_entries(group_index, group))
+    descriptions = describe_param_states(optimizer)
+    local = param_states(optimizer._inner, optimizer._comm.live_shards())
     per_param = _PerParamEntries(optimizer)
-    for bucket, state, master in zip(optimizer.plan.buckets, bucket_states, masters, strict=True):
-        for slot in bucket.slots:
-            for key, value in state.items():
-                entries[f"state.{slot.param_index}.{key}"] = per_param.entry(slot, value)
-            if master is not None:
-                entries[f"master.{slot.param_index}"] = per_param.entry(slot, master)
+    for index, description in descriptions.items():
+        for key, (kind, value) in description.items():
+            name = f"state.{index}.{key}"
+            if kind == "scalar":
+                if isinstance(value, Tensor):
+                    entries[name] = value
+            else:
+                entries[name] = per_param.entry(index, local.get(index, {}).get(key), value)
+    for shard in optimizer._comm.live_shards():
+        master = shard.master
+        if master is None:
+            continue
+        for piece in shard.pieces:
+            local_master = master[piece.shard_start : piece.shard_start + piece.numel]
+            entries[f"master.{piece.param_index}"] = per_param.entry(
+                piece.param_index, local_master, master.dtype
+            )
     return entries
 
 
+class _LoadPlan:
+    """The DCP entries to read into for this rank's layout, and how to install them."""
+
+    def __init__(self, optimizer: ShardingStage1, saved: dict[str, Any]) -> None:
+        self._optimizer = optimizer
+        self._saved = saved
+        per_param = _PerParamEntries(optimizer)
+        device = optimizer.plan.buckets[0].device
+        self.entries: dict[str, Tensor | ShardedTensor] = {}
+        self._local: dict[str, tuple[int, str | None, Tensor]] = {}
+        for name, meta in saved.items():
+            parsed = _parse_state_name(name)
+            if parsed is None or not hasattr(meta, "properties"):
+                continue
+            index, key = parsed
+            if not 0 <= index < len(optimizer._buffers.params):
+                raise ValueError(f"load_checkpoint: the checkpoint holds state for unknown param {index}")
+            if (
+                key is None
+                and not optimizer._comm.precisions[optimizer.plan.slot(index).bucket_index].has_master
+            ):
+                continue  # saved with a master copy, loaded without one: the params are the truth
+            dtype = meta.properties.dtype
+            if len(meta.size) == 0:
+                value = torch.zeros((), dtype=dtype)
+                self.entries[name] = value
+            else:
+                piece = per_param.pieces.get(index)
+                value = torch.zeros(0 if piece is None else piece.numel, dtype=dtype, device=device)
+                self.entries[name] = per_param.entry(index, value, dtype)
+            self._local[name] = (index, key, value)
+        for name, meta in saved.items():
+            if name.startswith(_HYPER_PREFIXES) and hasattr(meta, "properties"):
+                self.entries[name] = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
+
+    def install(self, loaded: dict[str, Any]) -> None:
+        optimizer = self._optimizer
+        states: dict[int, dict[str, Any]] = {}
+        masters: dict[int, Tensor] = {}
+        for index, key, value in self._local.values():
+            if key is None:
+                masters[index] = value
+            else:
+                states.setdefault(index, {})[key] = value
+        for index in states:
+            optimizer._materialize(optimizer.plan.slot(index).bucket_index)
+        pieces = local_pieces(optimizer)
+        local_states = {index: state for index, state in states.items() if index in pieces}
+        for group_index, group in enumerate(optimizer.param_groups):
+            _restore_hyperparameters(group_index, group, loaded)
+        load_param_states(
+            optimizer._inner, optimizer._comm.live_shards(), local_states, optimizer.param_groups
+        )
+        with torch.no_grad():
+            for shard in optimizer._comm.live_shards():
+                if shard.master is None:
+                    continue
+                for piece in shard.pieces:
+                    master = masters.get(piece.param_index)
+                    if master is not None:
+                        shard.master[piece.shard_start : piece.shard_start + piece.numel] = master
+                shard.refresh_master()
+
+
+def _parse_state_name(name: str) -> tuple[int, str | None] | None:
+    parts = name.split(".", 2)
+    if parts[0] == "state" and len(parts) == 3 and parts[1].isdigit():
+        return int(parts[1]), parts[2]
+    if parts[0] == "master" and len(parts) == 2 and parts[1].isdigit():
+        return int(parts[1]), None
+    return None
+
+
 class _PerParamEntries:
-    """Turns a bucket-level local tensor into one param's checkpoint entry, see Note
+    """Turns this rank's piece of a param into the param's checkpoint entry, see Note
     [Checkpoint layout]."""
 
     def __init__(self, optimizer: ShardingStage1) -> None:
         self._optimizer = optimizer
-        self._pieces = local_pieces(optimizer)
+        self.pieces = local_pieces(optimizer)
         self._every_rank = _pieces_of_every_rank(optimizer) if optimizer._comm.sharded else {}
 
-    def entry(self, slot: ParamSlot, value: Tensor) -> Tensor | ShardedTensor:
-        if value.dim() == 0:
-            return value
+    def entry(self, index: int, local: Tensor | None, dtype: torch.dtype) -> Tensor | ShardedTensor:
+        """``local`` holds this rank's elements of param ``index`` (None: this rank has none)."""
+        numel = self._optimizer._buffers.params[index].numel()
         if not self._optimizer._comm.sharded:
-            return value[slot.offset : slot.offset + slot.numel]
+            if local is None:
+                raise RuntimeError(f"checkpoint: unsharded state of param {index} is missing")
+            return local
         return _sharded_view(
-            self._optimizer,
-            value,
-            slot.numel,
-            self._pieces.get(slot.param_index),
-            self._every_rank[slot.param_index],
+            self._optimizer, local, dtype, numel, self.pieces.get(index), self._every_rank[index]
         )
 
 
@@ -219,55 +271,81 @@ def _pieces_of_every_rank(optimizer: ShardingStage1) -> dict[int, list[tuple[int
 
 def _sharded_view(
     optimizer: ShardingStage1,
-    local_value: Tensor,
+    local: Tensor | None,
+    dtype: torch.dtype,
     numel: int,
     local_piece: ShardPiece | None,
     every_rank: list[tuple[int, ShardPiece]],
 ) -> ShardedTensor:
-    """A 1-D ShardedTensor over the whole param whose local shard views ``local_value``."""
+    """A 1-D ShardedTensor over the whole param whose local shard is ``local``."""
+    device = optimizer.plan.buckets[0].device
 
     def metadata_of(rank: int, piece: ShardPiece) -> ShardMetadata:
         global_rank = dist.get_global_rank(optimizer.process_group, rank)
-        return ShardMetadata([piece.param_start], [piece.numel], f"rank:{global_rank}/{local_value.device}")
+        return ShardMetadata([piece.param_start], [piece.numel], f"rank:{global_rank}/{device}")
 
     local_shards = []
     if local_piece is not None:
-        view = local_value[local_piece.shard_start : local_piece.shard_start + local_piece.numel]
-        local_shards.append(Shard(view, metadata_of(optimizer.rank, local_piece)))
+        if local is None or local.numel() != local_piece.numel:
+            raise RuntimeError("checkpoint: a local state piece does not match the layout")
+        local_shards.append(Shard(local, metadata_of(optimizer.rank, local_piece)))
     metadata = ShardedTensorMetadata(
         [metadata_of(rank, piece) for rank, piece in every_rank],
         torch.Size([numel]),
-        TensorProperties(dtype=local_value.dtype),
+        TensorProperties(dtype=dtype),
     )
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         local_shards, metadata, process_group=optimizer.process_group
     )
 
 
-def _numeric_hyperparameters(group: dict[str, Any]) -> dict[str, Tensor]:
-    """Numbers and tuples of numbers (lr, betas, ...) as float64 tensors; flags stay as built."""
-    values = {}
+def _hyperparameter_entries(group_index: int, group: dict[str, Any]) -> dict[str, Tensor]:
+    """Hyperparameters as tensors whose key says the Python type to restore: floats as float64,
+    ints as int64, tensors as themselves, tuples of numbers as float64 vectors. Flags (bools)
+    and anything else stay as the optimizer was built."""
+    entries = {}
     for key, value in group.items():
         if isinstance(value, bool) or key == "params":
             continue
-        if isinstance(value, (int, float)):
-            values[key] = torch.tensor(float(value), dtype=torch.float64)
-        elif isinstance(value, tuple) and value and all(isinstance(v, (int, float)) for v in value):
-            values[key] = torch.tensor([float(v) for v in value], dtype=torch.float64)
-    return values
+        if isinstance(value, Tensor):
+            entries[f"{_HYPER_TENSOR}.{group_index}.{key}"] = value.detach().clone()
+        elif isinstance(value, int):
+            entries[f"{_HYPER_INT}.{group_index}.{key}"] = torch.tensor(value, dtype=torch.int64)
+        elif isinstance(value, float):
+            entries[f"{_HYPER_FLOAT}.{group_index}.{key}"] = torch.tensor(value, dtype=torch.float64)
+        elif (
+            isinstance(value, tuple)
+            and value
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        ):
+            entries[f"{_HYPER_TUPLE}.{group_index}.{key}"] = torch.tensor(
+                [float(v) for v in value], dtype=torch.float64
+            )
+    return entries
 
 
-def _restore_hyperparameters(optimizer: ShardingStage1, entries: dict[str, Any]) -> None:
-    for group_index, group in enumerate(optimizer.param_groups):
-        for key, current in list(group.items()):
-            loaded = entries.get(f"hyper.{group_index}.{key}")
-            if loaded is None:
+def _restore_hyperparameters(group_index: int, group: dict[str, Any], loaded: dict[str, Any]) -> None:
+    for prefix in (_HYPER_FLOAT, _HYPER_INT, _HYPER_TENSOR, _HYPER_TUPLE):
+        marker = f"{prefix}.{group_index}."
+        for name, value in loaded.items():
+            if not name.startswith(marker):
                 continue
-            if isinstance(current, tuple):
-                group[key] = tuple(type(c)(v) for c, v in zip(current, loaded.tolist(), strict=True))
+            key = name[len(marker) :]
+            if prefix == _HYPER_TENSOR:
+                current = group.get(key)
+                device = current.device if isinstance(current, Tensor) else value.device
+                group[key] = value.clone().to(device)
+            elif prefix == _HYPER_INT:
+                group[key] = int(value.item())
+            elif prefix == _HYPER_FLOAT:
+                group[key] = float(value.item())
             else:
-                group[key] = type(current)(loaded.item())
-    optimizer._sync_hyperparameters()
+                current = group.get(key)
+                kinds = [type(c) for c in current] if isinstance(current, tuple) else []
+                group[key] = tuple(
+                    int(v) if i < len(kinds) and kinds[i] is int and float(v).is_integer() else float(v)
+                    for i, v in enumerate(value.tolist())
+                )
 
 
 def _publish(staging: Path, final: Path) -> None:

@@ -1,11 +1,28 @@
-"""Overlap of grad reduction with backward: launch each bucket's reduction when it is ready.
+"""Which params got a grad, and (in overlap mode) launching each bucket's reduction when ready.
+
+Note [Which params got a grad]
+    ``torch.optim`` steps exactly the params whose ``.grad`` is not None: after the default
+    ``zero_grad()`` (``set_to_none=True``) a param that no backward reached is skipped, its state
+    untouched. Here grads are views of flat buffers and never None, so a post-accumulate-grad
+    hook on every param that requires grad records that it received one (``received``), in both
+    modes. A grad assigned by other code (``param.grad = g``) counts as received when it is
+    adopted into the buffer; a grad set to None (``model.zero_grad()``) counts as none. The
+    record is cleared by ``zero_grad(set_to_none=True)`` only, so grads that are never zeroed
+    keep counting, as they do in torch.
+
+    ``requires_grad`` can change after wrapping (freezing, gradual unfreezing). It is read again
+    at the first hook of every backward and before every reduction (:meth:`GradReadyTracker.scan`):
+    a newly unfrozen param gets its hook then (and, if its bucket was all frozen so far, the
+    bucket gets its grad buffer and local shard); a grad it accumulated before its hook existed is
+    adopted and counted. A frozen param is simply no longer expected.
 
 Note [Launching reductions during backward]
-    A post-accumulate-grad hook on every param counts the grads that landed in each bucket. When
-    a bucket's count reaches its number of params, it is ready. Collectives must be issued in the
-    same order on every rank (a mismatch deadlocks NCCL and mixes data under gloo), and ranks can
-    see buckets complete in different orders, so buckets are launched strictly in bucket order:
-    a ready bucket waits until every earlier bucket has been launched.
+    In overlap mode the hook also counts the grads that landed in each bucket. When a bucket's
+    count reaches its number of params that require grad, it is ready. Collectives must be
+    issued in the same order on every rank (a mismatch deadlocks NCCL and mixes data under
+    gloo), and ranks can see buckets complete in different orders, so buckets are launched
+    strictly in bucket order: a ready bucket waits until every earlier bucket has been launched.
+    A bucket without a param that requires grad takes no part and is passed over.
 
     A param that gets no grad in an iteration (an unused branch, possibly only on some ranks)
     would keep its bucket from ever being ready. So the first hook of a backward queues an
@@ -13,8 +30,8 @@ Note [Launching reductions during backward]
     missing grads as zeros. A leaf used twice in forward (tied weights) has its contributions
     summed by autograd before its single accumulation, so its hook fires once per backward.
 
-    The hook body is kept tiny (a counter and an identity check) because it runs once per param
-    per backward; all real work happens once per bucket.
+    The hook body is kept tiny (a flag, a counter and an identity check) because it runs once
+    per param per backward; all real work happens once per bucket.
 """
 
 from __future__ import annotations
@@ -30,53 +47,116 @@ from fusion.buffers import FlatBuffers
 
 
 class GradReadyTracker:
-    """Counts accumulated grads per bucket and launches bucket reductions in bucket order.
+    """Records which params got a grad and, given ``start_grad_sync``, launches bucket
+    reductions in bucket order as their grads complete.
 
     Args:
         buffers: the flat buffers whose params get hooks.
-        start_grad_sync: issues one bucket's reduction; called once per bucket per iteration.
+        materialize: gives a bucket its grad buffer and local shard (idempotent); called when a
+            param of a bucket that has none starts to require grad.
+        start_grad_sync: issues one bucket's reduction; called once per taking-part bucket per
+            iteration, in bucket order. None (sync mode): only record grads.
+        on_all_launched: called once per iteration right after the last bucket was launched.
     """
 
-    def __init__(self, buffers: FlatBuffers, start_grad_sync: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        buffers: FlatBuffers,
+        materialize: Callable[[int], None],
+        start_grad_sync: Callable[[int], None] | None = None,
+        on_all_launched: Callable[[], None] | None = None,
+    ) -> None:
         self._buffers = buffers
+        self._materialize = materialize
         self._start_grad_sync = start_grad_sync
+        self._on_all_launched = on_all_launched
         self._buckets = buffers.plan.buckets
-        self._expected = [len(bucket.slots) for bucket in self._buckets]
+        num_params = len(buffers.params)
+        self._bucket_of = [-1] * num_params
+        for bucket in self._buckets:
+            for slot in bucket.slots:
+                self._bucket_of[slot.param_index] = bucket.index
+        self.received = bytearray(num_params)
+        """Per param, 1 if a grad reached it since grads were last set to none."""
+        self._hooked = bytearray(num_params)
+        self._expected = [0] * len(self._buckets)
         self.accumulate_only = False
         """True inside ``no_sync()``: grads accumulate in the buffers and nothing is launched."""
         self._handles: list[RemovableHandle] = []
-        for bucket in self._buckets:
-            for slot in bucket.slots:
-                hook = functools.partial(self._on_grad_accumulated, slot.param_index, bucket.index)
-                param = buffers.params[slot.param_index]
-                self._handles.append(param.register_post_accumulate_grad_hook(hook))
         self.reset()
+        self.scan()
+
+    @property
+    def overlapping(self) -> bool:
+        return self._start_grad_sync is not None
 
     def reset(self) -> None:
-        """Start a new iteration: no grad counted, no bucket launched."""
+        """Start a new iteration: no grad counted, no bucket launched, requires_grad re-read at
+        the next hook."""
         self._counts = [0] * len(self._buckets)
         self._counted = bytearray(len(self._buffers.params))
         self._next_to_launch = 0
+        self._scanned = False
         self._callback_queued = False
         self._flushed_at_end = False
+
+    def clear_received(self) -> None:
+        """Grads were set to none: no param has one now."""
+        self.received = bytearray(len(self._buffers.params))
 
     @property
     def backward_unfinished(self) -> bool:
         """A backward counted grads but never reached its end (it raised midway)."""
         return self._callback_queued and not self._flushed_at_end
 
-    def _flush_at_end_of_backward(self) -> None:
-        self._flushed_at_end = True
-        self.flush()
+    def scan(self) -> None:
+        """Re-read ``requires_grad``, see Note [Which params got a grad]."""
+        self._scanned = True
+        params = self._buffers.params
+        expected = [0] * len(self._buckets)
+        for index in self._buffers.laid_out_indices:
+            param = params[index]
+            if not param.requires_grad:
+                continue
+            bucket_index = self._bucket_of[index]
+            expected[bucket_index] += 1
+            if not self._hooked[index]:
+                self._hook(index, bucket_index, param)
+        self._expected = expected
+
+    def _hook(self, index: int, bucket_index: int, param: Tensor) -> None:
+        arrived_before_hook = param.grad is not None and param.grad is not self._buffers.grad_views[index]
+        self._materialize(bucket_index)
+        hook = functools.partial(self._on_grad_accumulated, index, bucket_index)
+        self._handles.append(param.register_post_accumulate_grad_hook(hook))
+        self._hooked[index] = 1
+        if arrived_before_hook:
+            self._buffers.adopt_grad(index)
+            self.received[index] = 1
+            if self.overlapping and not self.accumulate_only:
+                self._counted[index] = 1
+                self._counts[bucket_index] += 1
+
+    def takes_part(self, bucket_index: int) -> bool:
+        """Whether the bucket has a param that requires grad (as of the last scan)."""
+        return self._expected[bucket_index] > 0
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hooked = bytearray(len(self._buffers.params))
+
+    def _flush_at_end_of_backward(self) -> None:
+        self._flushed_at_end = True
+        self.flush()
 
     def _on_grad_accumulated(self, param_index: int, bucket_index: int, param: Tensor) -> None:
         self._buffers.adopt_grad(param_index)
-        if self.accumulate_only:
+        self.received[param_index] = 1
+        if not self._scanned:
+            self.scan()
+        if self._start_grad_sync is None or self.accumulate_only:
             return
         if self._counted[param_index] or bucket_index < self._next_to_launch:
             raise RuntimeError(
@@ -94,18 +174,54 @@ class GradReadyTracker:
     def _launch_ready(self) -> None:
         while (
             self._next_to_launch < len(self._buckets)
-            and self._counts[self._next_to_launch] == self._expected[self._next_to_launch]
+            and self._counts[self._next_to_launch] >= self._expected[self._next_to_launch]
         ):
-            self._start_grad_sync(self._next_to_launch)
-            self._next_to_launch += 1
+            self._launch(self._next_to_launch)
+
+    def _launch(self, bucket_index: int) -> None:
+        if self.takes_part(bucket_index):
+            self._start_grad_sync(bucket_index)
+        self._next_to_launch = bucket_index + 1
+        if self._next_to_launch == len(self._buckets) and self._on_all_launched is not None:
+            self._on_all_launched()
+
+    def adopt_all(self) -> None:
+        """Re-point every grad of a param that requires grad into its buffer (sync mode, before
+        the reduction), see Note [Which params got a grad]."""
+        self.scan()
+        for bucket in self._buckets:
+            if self.takes_part(bucket.index):
+                self._adopt_uncounted(bucket.index)
 
     def flush(self) -> None:
         """Launch every bucket not launched yet, in order, with missing grads as zeros."""
-        if self.accumulate_only:
+        if self.accumulate_only or self._start_grad_sync is None:
             return
-        for bucket in self._buckets[self._next_to_launch :]:
-            for slot in bucket.slots:
-                if not self._counted[slot.param_index]:
-                    self._buffers.adopt_grad(slot.param_index)
-            self._start_grad_sync(bucket.index)
-        self._next_to_launch = len(self._buckets)
+        if not self._scanned:
+            self.scan()
+        for bucket_index in range(self._next_to_launch, len(self._buckets)):
+            if self.takes_part(bucket_index):
+                self._adopt_uncounted(bucket_index)
+            self._launch(bucket_index)
+
+    def _adopt_uncounted(self, bucket_index: int) -> None:
+        params = self._buffers.params
+        for slot in self._buckets[bucket_index].slots:
+            index = slot.param_index
+            if self._counted[index] or not params[index].requires_grad:
+                continue
+            grad = params[index].grad
+            if grad is None:
+                self.received[index] = 0
+            self._buffers.adopt_grad(index)
+            if grad is not None and grad is not self._buffers.grad_views[index]:
+                self.received[index] = 1
+
+    def grad_presence(self) -> bytearray:
+        """Per param, 1 if it holds a grad now (see Note [Which params got a grad])."""
+        params = self._buffers.params
+        presence = bytearray(self.received)
+        for index, flag in enumerate(presence):
+            if flag and params[index].grad is None:
+                presence[index] = 0
+        return presence

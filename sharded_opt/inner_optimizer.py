@@ -1,16 +1,11 @@
-"""The inner optimizer: the user's optimizer class, rebuilt over this rank's flat local tensors.
+"""The inner optimizer: the user's optimizer class, rebuilt over this rank's per-param pieces.
 
-Note [Cache-sized chunks on CPU]
-    On CPU, torch's default (single-tensor) optimizer kernels make one pass over memory per
-    element-wise op. Over one multi-MiB flat tensor every pass streams from DRAM; over the
-    small tensors of a per-param optimizer it stays in cache, which made the flat step 2x
-    slower than the plain optimizer's. So on CPU each local tensor is handed to the inner
-    optimizer as views of ``CPU_CHUNK_BYTES``: a chunk's param, grad and two Adam moments
-    (1 MiB) stay in a core's L2 between passes. Measured here (AdamW, 1.4M fp32 elements, one
-    thread): 5.3 ms as one tensor, 2.6 ms in 256 KiB chunks. The math per element is unchanged,
-    so results are bitwise equal. Accelerators keep one tensor per bucket: their default
-    multi-tensor kernels gain nothing from chunks and a for-loop implementation would pay a
-    launch per chunk.
+It has one param group per user group (same hyperparameters, copied from the user's group dicts
+before every step), holding the inner params of every local shard of that group; see Note
+[Per-param pieces] in ``local_shard``. Its state is therefore per piece (or chunk of a piece),
+and this module converts it to and from per-param state: element-wise values (``exp_avg``, of
+the piece's shape) are concatenated over a param's pieces in param order, scalar values
+(``step``) are the same in every piece of a param and are taken from the first.
 """
 
 from __future__ import annotations
@@ -21,10 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fusion.layout import LayoutPlan
+from sharded_opt.local_shard import LocalShard
 
-CPU_CHUNK_BYTES = 256 * 1024
-"""Size of one inner-optimizer tensor on CPU, see Note [Cache-sized chunks on CPU]."""
+ParamState = dict[str, Any]
+"""One param's optimizer state: element-wise values hold only this rank's elements, in param
+order (the concatenation of its local pieces)."""
 
 
 def constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -34,69 +30,82 @@ def constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {key: value for key, value in optimizer.defaults.items() if key in accepted}
 
 
-def chunk_local_tensor(local: Tensor) -> list[Tensor]:
-    """Leaf views of ``local`` (and of its grad) for the inner optimizer."""
-    if local.device.type != "cpu":
-        return [local]
-    step = max(1, CPU_CHUNK_BYTES // local.element_size())
-    chunks = []
-    for start in range(0, local.numel(), step):
-        chunk = local.detach()[start : start + step].detach().requires_grad_(True)
-        chunk.grad = local.grad[start : start + step]
-        chunks.append(chunk)
-    return chunks
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
 
 
 def build_inner_optimizer(
-    optimizer: torch.optim.Optimizer, plan: LayoutPlan, chunks: list[list[Tensor]]
+    optimizer: torch.optim.Optimizer, shards: list[LocalShard]
 ) -> torch.optim.Optimizer:
-    """A new optimizer of the same class with one group per user group (same hyperparameters)
-    holding the chunks of that group's buckets."""
-    groups = []
+    """A new optimizer of ``optimizer``'s class with one group per user group holding the inner
+    params of ``shards`` that belong to it (a group may start empty)."""
+    groups: list[dict[str, Any]] = []
     for group_index, group in enumerate(optimizer.param_groups):
-        params = [c for b in plan.buckets if b.group_index == group_index for c in chunks[b.index]]
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        params = [p for s in shards if s.bucket.group_index == group_index for p in s.inner_params]
+        groups.append({**hyperparameters(group), "params": params})
     return type(optimizer)(groups, **constructor_kwargs(optimizer))
 
 
-def bucket_state(inner: torch.optim.Optimizer, chunks: list[Tensor]) -> dict[str, Any]:
-    """The inner state of one bucket's local tensor: element-wise state concatenated over the
-    chunks, scalar state (``step``) from the first chunk; empty before the first step."""
-    states = [inner.state.get(chunk) for chunk in chunks]
-    if not states[0]:
-        return {}
-    result: dict[str, Any] = {}
-    for key, value in states[0].items():
-        if is_elementwise(value, chunks[0].numel()):
-            result[key] = torch.cat([state[key] for state in states]) if len(states) > 1 else value
-        else:
-            result[key] = value
+def add_shard(inner: torch.optim.Optimizer, shard: LocalShard) -> None:
+    """Let the inner optimizer step a shard that was materialized after it was built."""
+    inner.param_groups[shard.bucket.group_index]["params"].extend(shard.inner_params)
+
+
+def param_states(inner: torch.optim.Optimizer, shards: list[LocalShard]) -> dict[int, ParamState]:
+    """Per param index with local pieces that have state, its local state (see :data:`ParamState`)."""
+    chunks: dict[int, list[tuple[Tensor, dict[str, Any]]]] = {}
+    for shard in shards:
+        for param, owner in zip(shard.inner_params, shard.inner_owners, strict=True):
+            state = inner.state.get(param)
+            if state:
+                chunks.setdefault(owner, []).append((param, state))
+    result: dict[int, ParamState] = {}
+    for owner, entries in chunks.items():
+        first_param, first_state = entries[0]
+        merged: ParamState = {}
+        for key, value in first_state.items():
+            if is_elementwise(value, first_param):
+                parts = [state[key] for _, state in entries]
+                merged[key] = torch.cat(parts) if len(parts) > 1 else value
+            else:
+                merged[key] = value
+        result[owner] = merged
     return result
 
 
-def load_bucket_states(
-    inner: torch.optim.Optimizer, chunks: list[list[Tensor]], states: list[dict[str, Any]]
+def load_param_states(
+    inner: torch.optim.Optimizer,
+    shards: list[LocalShard],
+    states: dict[int, ParamState],
+    groups: list[dict[str, Any]],
 ) -> None:
-    """Replace the inner state by per-bucket states (the format :func:`bucket_state` returns),
-    through ``torch.optim.Optimizer.load_state_dict`` so dtypes and devices are handled as torch
-    does."""
+    """Replace the inner state by per-param local states (element-wise values of the local
+    elements in param order, as :func:`param_states` returns them) and set the groups'
+    hyperparameters, through ``torch.optim.Optimizer.load_state_dict`` so dtypes and devices are
+    handled as torch does. Params missing from ``states`` get no state, as in torch."""
     position = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
+    offsets: dict[int, int] = {}
     inner_state: dict[int, dict[str, Any]] = {}
-    for bucket_chunks, state in zip(chunks, states, strict=True):
-        if not state:
-            continue
-        total = sum(chunk.numel() for chunk in bucket_chunks)
-        start = 0
-        for chunk in bucket_chunks:
-            end = start + chunk.numel()
-            # Scalars are cloned per chunk: optimizers update ``step`` in place, so a tensor
-            # shared by the chunks would be advanced once per chunk.
-            inner_state[position[id(chunk)]] = {
-                key: value[start:end] if is_elementwise(value, total) else _copy(value)
+    for shard in shards:
+        for param, owner in zip(shard.inner_params, shard.inner_owners, strict=True):
+            state = states.get(owner)
+            start = offsets.get(owner, 0)
+            offsets[owner] = start + param.numel()
+            if not state:
+                continue
+            # Scalars are cloned per inner param: optimizers update ``step`` in place, so a
+            # tensor shared by a param's chunks would be advanced once per chunk.
+            inner_state[position[id(param)]] = {
+                key: value[start : start + param.numel()] if _is_local_elementwise(value) else _copy(value)
                 for key, value in state.items()
             }
-            start = end
-    inner.load_state_dict({"state": inner_state, "param_groups": indexed_groups(inner.param_groups)})
+    indexed = []
+    start = 0
+    for inner_group, group in zip(inner.param_groups, groups, strict=True):
+        count = len(inner_group["params"])
+        indexed.append({**hyperparameters(group), "params": list(range(start, start + count))})
+        start += count
+    inner.load_state_dict({"state": inner_state, "param_groups": indexed})
 
 
 def indexed_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -105,16 +114,19 @@ def indexed_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups, start = [], 0
     for group in param_groups:
         count = len(group["params"])
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": list(range(start, start + count))})
+        groups.append({**hyperparameters(group), "params": list(range(start, start + count))})
         start += count
     return groups
 
 
-def is_elementwise(value: Any, local_numel: int) -> bool:
-    """Whether an optimizer state value is per element of a local tensor of ``local_numel``
-    (``exp_avg``...) rather than a scalar shared by all its elements (``step``)."""
-    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == local_numel
+def is_elementwise(value: Any, inner_param: Tensor) -> bool:
+    """Whether a state value is per element of ``inner_param`` (``exp_avg``...) rather than a
+    scalar (``step``). Inner params are 1-D, scalars 0-dim, so the shape tells them apart."""
+    return isinstance(value, Tensor) and value.shape == inner_param.shape
+
+
+def _is_local_elementwise(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.dim() == 1
 
 
 def _copy(value: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,14 +17,10 @@ from torch.distributed import ProcessGroup
 from fusion.buffers import FlatBuffers
 from fusion.layout import LayoutPlan, plan_layout
 from sharded_opt import state_dict as state_dict_conversion
-from sharded_opt.bucket_comm import BucketCommunicator, resolve_precision
+from sharded_opt.bucket_comm import BucketCommunicator
 from sharded_opt.grad_hooks import GradReadyTracker
-from sharded_opt.inner_optimizer import (
-    bucket_state,
-    build_inner_optimizer,
-    chunk_local_tensor,
-    load_bucket_states,
-)
+from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, hyperparameters
+from sharded_opt.local_shard import resolve_precision
 from sharded_opt.param_hooks import ParamReadyWaiter
 from sharded_opt.strategy import Strategy
 from sharded_opt.validation import (
@@ -104,52 +101,72 @@ class ShardingStage1(torch.optim.Optimizer):
             for bucket in self.plan.buckets
         ]
         self._comm = BucketCommunicator(self._buffers, group, rank, world_size, config.enable, precisions)
-        self._inner_chunks = [chunk_local_tensor(local) for local in self._comm.local_params]
-        self._inner = build_inner_optimizer(optimizer, self.plan, self._inner_chunks)
+        self._inner = build_inner_optimizer(optimizer, self._comm.live_shards())
         # Forward order is registration order (buckets are laid out in reverse), see
         # Note [No stale params].
         self._gather_order = list(reversed(range(len(self.plan.buckets))))
-        self._grad_tracker = (
-            GradReadyTracker(self._buffers, self._comm.start_grad_sync) if self.overlap else None
+        self._grad_tracker = GradReadyTracker(
+            self._buffers,
+            self._materialize,
+            self._comm.start_grad_sync if self.overlap else None,
+            self._start_presence_sync if self.overlap else None,
         )
+        self._presence: tuple[torch.Tensor, Any] | None = None
         self._param_waiter: ParamReadyWaiter | None = None
         self._grads_reduced = False
+        self._num_params_per_group = [len(g["params"]) for g in optimizer.param_groups]
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
+        # The wrapper's groups *are* the wrapped optimizer's group dicts, so a scheduler built on
+        # either object drives the step, and keys added to either show up in both.
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+        self._wrapped = optimizer
         self._layout_frozen = True
         if model is not None:
             self.attach(model)
         optimizer._sharded_opt_wrapper = self
         optimizer.register_step_pre_hook(_refuse_wrapped_step)
+        optimizer.add_param_group = functools.partial(_refuse_wrapped_add_param_group, type(optimizer))
 
     # -- training loop ---------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Average grads over the group, step the local shard, share the updated params.
 
-        Returns the closure's result (the loss), like ``torch.optim`` optimizers.
+        As in ``torch.optim``, a param without a grad (on every rank) is not stepped: its value
+        and state are left exactly as they are. Keyword arguments are passed to the wrapped
+        optimizer's ``step``. Returns the closure's result (the loss).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._check_params_in_buffers()
+        self._check_param_groups_unchanged()
         self._comm.finish_param_sync()
-        self._comm.refresh_stale_masters()
         self._reduce_grads()
-        self._sync_hyperparameters()
-        self._inner.step()
-        self._comm.start_param_sync(self._gather_order)
+        stepped = self._step_inner(kwargs)
+        self._comm.start_param_sync(b for b in self._gather_order if b in stepped)
         if self._param_waiter is None:
             self._comm.finish_param_sync()
         self._start_iteration()
+        # A scheduler built on the wrapped optimizer checks that its step ran before its own.
+        self._wrapped._opt_called = True
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat grad buffers. Grads are never set to None: they stay views of the
-        buffers the collectives read, so ``set_to_none`` is accepted and ignored."""
+        """Zero the flat grad buffers.
+
+        Grads stay views of the buffers the collectives read, so they are zeroed in place rather
+        than set to None; with ``set_to_none=True`` (the default) every param also counts as
+        having no grad, exactly as after torch's ``zero_grad()``: a param that no backward
+        reaches before the next ``step()`` is not stepped.
+        """
         self._comm.finish_grad_sync()
         self._buffers.zero_grad()
+        if set_to_none:
+            self._grad_tracker.clear_received()
         self._start_iteration()
 
     @torch.no_grad()
@@ -203,7 +220,7 @@ class ShardingStage1(torch.optim.Optimizer):
         last backward (outside) then reduces the summed grads. In sync mode communication only
         happens in ``step()`` anyway, so the block changes nothing there.
         """
-        if self._grad_tracker is None:
+        if not self.overlap:
             yield
             return
         self._grad_tracker.accumulate_only = True
@@ -245,7 +262,7 @@ class ShardingStage1(torch.optim.Optimizer):
             value.numel() * value.element_size()
             for state in self._inner.state.values()
             for value in state.values()
-            if isinstance(value, torch.Tensor)
+            if isinstance(value, torch.Tensor) and value.dim() > 0
         )
 
     def memory_bytes(self) -> dict[str, int]:
@@ -262,9 +279,9 @@ class ShardingStage1(torch.optim.Optimizer):
 
         return {
             "params": nbytes(self._buffers.param_buffers),
-            "grads": nbytes(self._buffers.grad_buffers),
+            "grads": nbytes(g for g in self._buffers.grad_buffers if g is not None),
             "reduced_grads": nbytes(self._comm.reduced_grad_tensors()),
-            "master": nbytes(m for m in self._comm.master_copies() if m is not None),
+            "master": nbytes(s.master for s in self._comm.live_shards() if s.master is not None),
             "optimizer_state": self.optimizer_state_bytes(),
         }
 
@@ -327,8 +344,17 @@ class ShardingStage1(torch.optim.Optimizer):
                 "in place instead (`with torch.no_grad(): param.copy_(new)`)"
             )
 
+    def _check_param_groups_unchanged(self) -> None:
+        counts = [len(g["params"]) for g in self.param_groups]
+        if counts != self._num_params_per_group:
+            raise RuntimeError(
+                f"ShardingStage1.step: the param groups now hold {counts} params but the wrapper laid "
+                f"out {self._num_params_per_group}; params cannot be added after wrapping. Add every "
+                "param group to the torch optimizer first, then wrap it"
+            )
+
     def _check_backward_finished(self) -> None:
-        if self._grad_tracker is not None and self._grad_tracker.backward_unfinished:
+        if self._grad_tracker.backward_unfinished:
             raise RuntimeError(
                 "ShardingStage1.step: the last backward raised before it finished, so its grads are "
                 "partial (some buckets were already being reduced). Call opt.zero_grad() to discard "
@@ -337,35 +363,86 @@ class ShardingStage1(torch.optim.Optimizer):
 
     def _start_iteration(self) -> None:
         self._grads_reduced = False
-        if self._grad_tracker is not None:
-            self._grad_tracker.reset()
+        self._grad_tracker.reset()
+        if self._presence is not None:  # shared but not used: the step was skipped
+            self._agreed_presence()
+
+    def _materialize(self, bucket_index: int) -> None:
+        shard = self._comm.materialize(bucket_index)
+        if shard is not None and hasattr(self, "_inner"):
+            add_shard(self._inner, shard)
 
     def _reduce_grads(self) -> None:
         if self._grads_reduced:
             return
         self._check_backward_finished()
-        if self._grad_tracker is not None:
+        if self.overlap:
+            if self._grad_tracker.accumulate_only:
+                raise RuntimeError(
+                    "ShardingStage1: step() (or a grad reduction) inside `with opt.no_sync():`; the "
+                    "grads of the block are never averaged over the ranks. Leave the block for the "
+                    "last micro-batch's backward, then call step()"
+                )
             self._grad_tracker.flush()
         else:
-            for index in self._buffers.laid_out_indices:
-                self._buffers.adopt_grad(index)
+            self._grad_tracker.adopt_all()
             for bucket in self.plan.buckets:
-                self._comm.start_grad_sync(bucket.index)
+                if self._grad_tracker.takes_part(bucket.index):
+                    self._comm.start_grad_sync(bucket.index)
+            self._start_presence_sync()
         self._comm.finish_grad_sync()
         self._grads_reduced = True
 
-    def _bucket_states(self) -> list[dict[str, Any]]:
-        """Per bucket, the inner optimizer's state of this rank's local flat tensor."""
-        return [bucket_state(self._inner, chunks) for chunks in self._inner_chunks]
+    def _start_presence_sync(self) -> None:
+        """Share which params got a grad on this rank (a byte each, MAX over the group), see
+        Note [Which params got a grad] in ``grad_hooks``."""
+        flags = torch.frombuffer(self._grad_tracker.grad_presence(), dtype=torch.uint8).clone()
+        work = None
+        if self.world_size > 1:
+            flags = flags.to(self._flag_device)
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+        self._presence = (flags, work)
 
-    def _load_bucket_states(self, states: list[dict[str, Any]]) -> None:
-        load_bucket_states(self._inner, self._inner_chunks, states)
+    def _agreed_presence(self) -> list[bool]:
+        if self._presence is None:
+            raise RuntimeError("ShardingStage1: the grad presence flags were never shared")
+        flags, work = self._presence
+        self._presence = None
+        if work is not None:
+            work.wait()
+        return [bool(flag) for flag in flags.tolist()]
+
+    @functools.cached_property
+    def _flag_device(self) -> torch.device:
+        device = self.plan.buckets[0].device
+        if device.type != "cpu" and "gloo" in str(dist.get_backend(self.process_group)):
+            return torch.device("cpu")
+        return device
+
+    def _step_inner(self, kwargs: dict[str, Any]) -> set[int]:
+        """Step the pieces of params that got a grad on some rank; return the buckets changed."""
+        presence = self._agreed_presence()
+        stepped: set[int] = set()
+        for shard in self._comm.live_shards():
+            if any(presence[slot.param_index] for slot in shard.bucket.slots):
+                stepped.add(shard.bucket.index)
+                shard.refresh_master()
+            for inner, owner in zip(shard.inner_params, shard.inner_owners, strict=True):
+                if not presence[owner]:
+                    inner.grad = None
+        self._sync_hyperparameters()
+        try:
+            self._inner.step(**kwargs)
+        finally:
+            for shard in self._comm.live_shards():
+                for inner, grad in zip(shard.inner_params, shard.inner_grads, strict=True):
+                    if inner.grad is None:
+                        inner.grad = grad
+        return stepped
 
     def _sync_hyperparameters(self) -> None:
         for outer, inner in zip(self.param_groups, self._inner.param_groups, strict=True):
-            for key, value in outer.items():
-                if key != "params":
-                    inner[key] = value
+            inner.update(hyperparameters(outer))
 
 
 def _resolve_config(strategy: Strategy | None, overlap: bool | None):
@@ -395,4 +472,11 @@ def _check_not_stepped(optimizer: torch.optim.Optimizer) -> None:
 def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     raise RuntimeError(
         f"this {type(optimizer).__name__} is wrapped by ShardingStage1; call the wrapper's step()"
+    )
+
+
+def _refuse_wrapped_add_param_group(optimizer_class: type, param_group: dict[str, Any]) -> None:
+    raise RuntimeError(
+        f"this {optimizer_class.__name__} is wrapped by ShardingStage1, which laid its params out "
+        "when it was built; add every param group to the torch optimizer first, then wrap it"
     )

@@ -50,7 +50,7 @@ class ParamReadyWaiter:
         if missing:
             raise ValueError(
                 f"ShardingStage1.attach expects the model that owns the optimizer's params but "
-                f"{len(missing)} trainable param(s) (optimizer indices {missing[:8]}) are not in "
+                f"{len(missing)} param(s) (optimizer indices {missing[:8]}) are not in "
                 f"{type(model).__name__}.parameters(); attach the model the optimizer was built from"
             )
         self._handles: list[RemovableHandle] = []

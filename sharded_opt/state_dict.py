@@ -5,13 +5,17 @@ the param's own shape) is what ``torch.optim`` optimizers save and load, so a ch
 freely between ``ShardingStage1`` on any number of ranks and a plain optimizer on one process.
 
 Note [Element-wise and scalar state]
-    The inner optimizer keeps, per bucket, state tensors of two kinds: element-wise ones of the
-    local shard's numel (``exp_avg``, ``momentum_buffer``...) and 0-dim scalars shared by the
-    whole bucket (``step``). An element-wise value of a param is assembled from the pieces every
-    rank holds; a scalar is copied to every param of the bucket. Loading does the reverse: a rank
-    cuts its own pieces out of each full tensor and takes a bucket's scalar from any of its params
-    that has state (a param that never had a grad under the plain optimizer has none; its
-    element-wise state starts at zero, as it would here).
+    The inner optimizer keeps state per piece of a param (see Note [Per-param pieces] in
+    ``local_shard``): element-wise tensors of the piece's numel (``exp_avg``,
+    ``momentum_buffer``...) and scalars (``step``), the same in every piece of a param. A param's
+    state exists exactly when torch's would: once it has been stepped with a grad. To save, the
+    rank that holds a param's first element (its *owner*) describes the param's state (keys,
+    which are element-wise and their dtypes, the scalar values) and one ``all_gather_object``
+    shares every description; each element-wise value is then assembled from the pieces every
+    rank holds. Loading does the reverse: a rank cuts its own pieces out of each full tensor and
+    copies the scalars. Which keys are element-wise cannot be read off a 0-dim param's state (its
+    ``exp_avg`` is 0-dim like ``step``), so it is learned by stepping a throwaway optimizer of
+    the same class and loaded configuration on a 2-element param.
 """
 
 from __future__ import annotations
@@ -22,19 +26,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fusion.layout import BucketPlan, ShardPiece
-from sharded_opt.inner_optimizer import constructor_kwargs, indexed_groups, is_elementwise
+from fusion.layout import ShardPiece
+from sharded_opt.inner_optimizer import (
+    ParamState,
+    constructor_kwargs,
+    hyperparameters,
+    indexed_groups,
+    is_elementwise,
+    load_param_states,
+    param_states,
+)
 
 if TYPE_CHECKING:
     from sharded_opt.optimizer import ShardingStage1
 
 
 def local_pieces(optimizer: ShardingStage1) -> dict[int, ShardPiece]:
-    """For each laid-out param, the piece of it in this rank's local tensor (if any).
-
-    Without sharding, the local tensor is the whole bucket, so the piece is the whole param at
-    its offset.
-    """
+    """For each laid-out param, the piece of it in this rank's local tensor (if any)."""
     pieces: dict[int, ShardPiece] = {}
     for bucket in optimizer.plan.buckets:
         if optimizer._comm.sharded:
@@ -47,40 +55,66 @@ def local_pieces(optimizer: ShardingStage1) -> dict[int, ShardPiece]:
     return pieces
 
 
+def describe_param_states(optimizer: ShardingStage1) -> dict[int, dict[str, Any]]:
+    """Per param with state (every rank gets all of them; collective when sharded): per key,
+    ``("elementwise", dtype)`` or ``("scalar", value)``. See Note [Element-wise and scalar state]."""
+    local = param_states(optimizer._inner, optimizer._comm.live_shards())
+    pieces = local_pieces(optimizer)
+    own: dict[int, dict[str, Any]] = {}
+    for index, state in local.items():
+        if pieces[index].param_start != 0:
+            continue
+        first_inner = _first_inner_param(optimizer, index)
+        first_state = optimizer._inner.state[first_inner]
+        own[index] = {
+            key: ("elementwise", value.dtype)
+            if is_elementwise(first_state[key], first_inner)
+            else ("scalar", value)
+            for key, value in state.items()
+        }
+    if not optimizer._comm.sharded:
+        return own
+    everyone: list[Any] = [None] * optimizer.world_size
+    dist.all_gather_object(everyone, own, group=optimizer.process_group)
+    merged: dict[int, dict[str, Any]] = {}
+    for descriptions in everyone:
+        merged.update(descriptions)
+    return dict(sorted(merged.items()))
+
+
+def _first_inner_param(optimizer: ShardingStage1, index: int) -> Tensor:
+    shard = optimizer._comm.shards[optimizer.plan.slot(index).bucket_index]
+    return shard.inner_params[shard.inner_owners.index(index)]
+
+
 def gather_state_dict(optimizer: ShardingStage1, to_rank: int | None) -> dict[str, Any] | None:
     """The standard state dict (collective). See Note [Element-wise and scalar state].
 
     With ``to_rank``, full tensors are reduced to that rank only and the others return None.
     At most one param's full state tensor exists at a time beyond the local shards.
     """
+    descriptions = describe_param_states(optimizer)
+    local = param_states(optimizer._inner, optimizer._comm.live_shards())
     pieces = local_pieces(optimizer)
-    communicate = optimizer._comm.sharded
+    params = optimizer._buffers.params
     state: dict[int, dict[str, Any]] = {}
-    for bucket, bucket_state in zip(optimizer.plan.buckets, optimizer._bucket_states(), strict=True):
-        local_param = optimizer._comm.local_params[bucket.index]
-        for slot in bucket.slots if bucket_state else ():
-            entry = {}
-            for key, value in bucket_state.items():
-                if is_elementwise(value, local_param.numel()):
-                    full = _assemble(value, slot.numel, pieces.get(slot.param_index))
-                    if communicate:
-                        _sum_over_group(full, optimizer, to_rank)
-                    entry[key] = full.view(slot.shape)
-                else:
-                    entry[key] = value.clone() if isinstance(value, Tensor) else value
-            state[slot.param_index] = entry
+    for index, description in descriptions.items():
+        entry: dict[str, Any] = {}
+        for key, (kind, value) in description.items():
+            if kind == "scalar":
+                entry[key] = value.clone() if isinstance(value, Tensor) else value
+                continue
+            full = torch.zeros(params[index].numel(), dtype=value, device=params[index].device)
+            if index in local:
+                piece = pieces[index]
+                full[piece.param_start : piece.param_start + piece.numel] = local[index][key]
+            if optimizer._comm.sharded:
+                _sum_over_group(full, optimizer, to_rank)
+            entry[key] = full.view(params[index].shape)
+        state[index] = entry
     if to_rank is not None and optimizer.rank != to_rank:
         return None
     return {"state": state, "param_groups": indexed_groups(optimizer.param_groups)}
-
-
-def _assemble(local_value: Tensor, numel: int, piece: ShardPiece | None) -> Tensor:
-    full = torch.zeros(numel, dtype=local_value.dtype, device=local_value.device)
-    if piece is not None:
-        full[piece.param_start : piece.param_start + piece.numel] = local_value[
-            piece.shard_start : piece.shard_start + piece.numel
-        ]
-    return full
 
 
 def _sum_over_group(tensor: Tensor, optimizer: ShardingStage1, to_rank: int | None) -> None:
@@ -93,38 +127,40 @@ def _sum_over_group(tensor: Tensor, optimizer: ShardingStage1, to_rank: int | No
         )
 
 
-def expected_state_keys(optimizer: ShardingStage1, group_index: int) -> dict[str, bool]:
-    """State keys the inner optimizer keeps for a param of this group, each mapped to whether
-    it is element-wise, found by stepping a throwaway copy on a 2-element param."""
+def expected_state_keys(optimizer: ShardingStage1, hyper: dict[str, Any]) -> dict[str, bool]:
+    """State keys the optimizer class keeps for a param of a group configured by ``hyper``, each
+    mapped to whether it is element-wise, found by stepping a throwaway copy on a 2-element param."""
     inner = optimizer._inner
-    hyper = {k: v for k, v in inner.param_groups[group_index].items() if k != "params"}
     probe = torch.zeros(2, dtype=optimizer.plan.buckets[0].dtype, requires_grad=True)
     probe.grad = torch.zeros_like(probe)
     throwaway = type(inner)([{**hyper, "params": [probe]}], **constructor_kwargs(inner))
     throwaway.step()
-    return {key: is_elementwise(value, 2) for key, value in throwaway.state[probe].items()}
+    return {key: is_elementwise(value, probe) for key, value in throwaway.state[probe].items()}
 
 
 def load_state_dict(optimizer: ShardingStage1, state_dict: dict[str, Any]) -> None:
     """Validate a standard state dict completely, then install this rank's shard of it."""
     params = optimizer._buffers.params
     _check_structure(optimizer, state_dict)
-    saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+    saved_groups = state_dict["param_groups"]
+    saved_ids = [i for group in saved_groups for i in group["params"]]
     by_position = {saved_id: position for position, saved_id in enumerate(saved_ids)}
-    saved_state = {by_position[k]: v for k, v in state_dict["state"].items() if k in by_position}
     unknown = [k for k in state_dict["state"] if k not in by_position]
     if unknown:
         raise ValueError(
             f"ShardingStage1.load_state_dict: state for param ids {unknown[:8]} that no param group lists"
         )
-    expected = [expected_state_keys(optimizer, g) for g in range(len(optimizer.param_groups))]
+    saved_state = {by_position[k]: v for k, v in state_dict["state"].items()}
+    group_of = [g for g, group in enumerate(saved_groups) for _ in group["params"]]
+    expected = [expected_state_keys(optimizer, hyperparameters(group)) for group in saved_groups]
     for position, entry in saved_state.items():
-        _check_param_state(optimizer, position, params[position], entry, expected)
-    bucket_states = _shard_state(optimizer, saved_state, expected)
-    for ours, saved in zip(optimizer.param_groups, state_dict["param_groups"], strict=True):
-        ours.update({k: v for k, v in saved.items() if k != "params"})
-    optimizer._sync_hyperparameters()
-    optimizer._load_bucket_states(bucket_states)
+        _check_param_state(optimizer, position, params[position], entry, expected[group_of[position]])
+    for position in saved_state:
+        optimizer._materialize(optimizer.plan.slot(position).bucket_index)
+    local_states = _local_states(optimizer, saved_state, expected, group_of)
+    for ours, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        ours.update(hyperparameters(saved))
+    load_param_states(optimizer._inner, optimizer._comm.live_shards(), local_states, optimizer.param_groups)
 
 
 def _check_structure(optimizer: ShardingStage1, state_dict: Any) -> None:
@@ -149,17 +185,18 @@ def _check_structure(optimizer: ShardingStage1, state_dict: Any) -> None:
 
 
 def _check_param_state(
-    optimizer: ShardingStage1, position: int, param: Tensor, entry: dict, expected_per_group: list[dict]
+    optimizer: ShardingStage1, position: int, param: Tensor, entry: Any, expected: dict[str, bool]
 ) -> None:
-    slot = optimizer.plan.slots[position]
-    if slot is None:
-        return  # a frozen param's state is not ours to keep; the plain optimizer has none either
-    expected = expected_per_group[optimizer.plan.buckets[slot.bucket_index].group_index]
+    if not isinstance(entry, dict):
+        raise ValueError(
+            f"ShardingStage1.load_state_dict: the state of param {position} is a "
+            f"{type(entry).__name__}, not a dict of state values"
+        )
     if set(entry) != set(expected):
         raise ValueError(
             f"ShardingStage1.load_state_dict: param {position} has state keys {sorted(entry)} but "
-            f"{type(optimizer._inner).__name__} with these settings keeps {sorted(expected)}; the "
-            "state dict was saved from another optimizer class or configuration"
+            f"{type(optimizer._inner).__name__} configured as the saved param group keeps "
+            f"{sorted(expected)}; the state dict was saved from another optimizer class or configuration"
         )
     for key, elementwise in expected.items():
         value = entry[key]
@@ -171,53 +208,26 @@ def _check_param_state(
             )
 
 
-def _shard_state(
-    optimizer: ShardingStage1, saved_state: dict[int, dict], expected: list[dict[str, bool]]
-) -> list[dict[str, Any]]:
-    """Per bucket, this rank's local state cut from the full per-param state."""
+def _local_states(
+    optimizer: ShardingStage1,
+    saved_state: dict[int, dict],
+    expected: list[dict[str, bool]],
+    group_of: list[int],
+) -> dict[int, ParamState]:
+    """Per param with saved state and a piece on this rank, its local state."""
     pieces = local_pieces(optimizer)
-    states: list[dict[str, Any]] = []
-    for bucket in optimizer.plan.buckets:
-        with_state = [slot for slot in bucket.slots if slot.param_index in saved_state]
-        if not with_state:
-            states.append({})
+    states: dict[int, ParamState] = {}
+    for position, entry in saved_state.items():
+        piece = pieces.get(position)
+        if piece is None:
             continue
-        local_param = optimizer._comm.local_params[bucket.index]
-        states.append(
-            _bucket_state(
-                bucket,
-                local_param,
-                saved_state,
-                with_state[0].param_index,
-                pieces,
-                expected[bucket.group_index],
-            )
-        )
+        elementwise = expected[group_of[position]]
+        states[position] = {
+            key: _cut(value, piece) if elementwise[key] else value for key, value in entry.items()
+        }
     return states
 
 
-def _bucket_state(
-    bucket: BucketPlan,
-    local_param: Tensor,
-    saved_state: dict[int, dict],
-    first: int,
-    pieces: dict[int, ShardPiece],
-    elementwise: dict[str, bool],
-) -> dict[str, Any]:
-    state: dict[str, Any] = {}
-    for key, value in saved_state[first].items():
-        if not elementwise[key]:
-            state[key] = value.clone() if isinstance(value, Tensor) else value
-            continue
-        local = torch.zeros(local_param.numel(), dtype=value.dtype, device=local_param.device)
-        for slot in bucket.slots:
-            piece = pieces.get(slot.param_index)
-            entry = saved_state.get(slot.param_index)
-            if piece is None or entry is None:
-                continue
-            flat = entry[key].reshape(-1)
-            local[piece.shard_start : piece.shard_start + piece.numel] = flat[
-                piece.param_start : piece.param_start + piece.numel
-            ]
-        state[key] = local
-    return state
+def _cut(value: Tensor, piece: ShardPiece) -> Tensor:
+    # A copy: the optimizer updates its state in place and must not write into the caller's dict.
+    return value.reshape(-1)[piece.param_start : piece.param_start + piece.numel].clone()

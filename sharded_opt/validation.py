@@ -49,10 +49,11 @@ def check_optimizer(optimizer: object, assume_elementwise: bool) -> torch.optim.
     return optimizer
 
 
-def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list[ParamSpec | None]]:
-    """Flatten the optimizer's params in registration order with a spec (None if frozen)."""
+def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list[ParamSpec]]:
+    """Flatten the optimizer's params in registration order with a spec each (frozen ones
+    included: they may be unfrozen later, and then are stepped like any other)."""
     params: list[Tensor] = []
-    specs: list[ParamSpec | None] = []
+    specs: list[ParamSpec] = []
     seen: dict[int, int] = {}
     for group_index, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
@@ -69,14 +70,10 @@ def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list
                     f"{group_index}) has layout {param.layout}; sparse params cannot live in flat buffers"
                 )
             params.append(param)
-            specs.append(ParamSpec.of(param, group_index) if param.requires_grad else None)
-    trainable = [spec for spec in specs if spec is not None]
-    if not trainable:
-        raise ValueError(
-            f"ShardingStage1 expects an optimizer with trainable params but got {len(params)} "
-            "params, none with requires_grad=True"
-        )
-    devices = sorted({str(spec.device) for spec in trainable})
+            specs.append(ParamSpec.of(param, group_index))
+    if not params:
+        raise ValueError("ShardingStage1 expects an optimizer with params but its param groups are empty")
+    devices = sorted({str(spec.device) for spec in specs})
     if len(devices) > 1:
         raise ValueError(
             f"ShardingStage1 expects all params on one device but got params on {devices}; move "
@@ -100,9 +97,9 @@ def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGr
     return group, rank, dist.get_world_size(group)
 
 
-def check_same_layout(specs: list[ParamSpec | None], group: ProcessGroup, world_size: int) -> None:
+def check_same_layout(specs: list[ParamSpec], group: ProcessGroup, world_size: int) -> None:
     """Raise on every rank if any rank's params differ from rank 0's (collective)."""
-    signature = [None if spec is None else (spec.shape, str(spec.dtype), spec.group_index) for spec in specs]
+    signature = [(spec.shape, str(spec.dtype), spec.group_index, spec.requires_grad) for spec in specs]
     signatures: list[object] = [None] * world_size
     dist.all_gather_object(signatures, signature, group=group)
     reference = signatures[0]
@@ -124,8 +121,7 @@ def _first_difference(reference: list, other: list) -> str:
     return "no difference found"
 
 
-def _describe(signature: tuple | None) -> str:
-    if signature is None:
-        return "frozen"
-    shape, dtype, group_index = signature
-    return f"shape {list(shape)} {dtype} in group {group_index}"
+def _describe(signature: tuple) -> str:
+    shape, dtype, group_index, requires_grad = signature
+    frozen = "" if requires_grad else " (frozen)"
+    return f"shape {list(shape)} {dtype} in group {group_index}{frozen}"

@@ -112,10 +112,7 @@ def _my_adam(param: nn.Parameter) -> torch.optim.Optimizer:
 CASES = [
     BadInput("not_an_optimizer", lambda: ShardingStage1([_param(2)]), TypeError,
              "expects a torch.optim.Optimizer instance.*got list"),
-    BadInput("only_frozen_params",
-             lambda: ShardingStage1(torch.optim.SGD([_param(3).requires_grad_(False)], lr=0.1)),
-             ValueError, "trainable params but got 1 params, none with requires_grad"),
-    BadInput("no_params", _empty_optimizer, ValueError, "trainable params but got 0 params"),
+    BadInput("no_params", _empty_optimizer, ValueError, "with params but its param groups are empty"),
     BadInput("same_param_twice_in_one_group", _same_param_twice_in_one_group, ValueError,
              "each param once but param 1 .*same tensor as param 0"),
     BadInput("same_param_in_two_groups", _same_param_in_two_groups, ValueError,
@@ -159,7 +156,7 @@ CASES = [
     BadInput("add_param_group_after_wrapping", _add_param_group_after_wrapping, RuntimeError,
              "add every param group to the torch optimizer first"),
     BadInput("attach_model_not_owning_params", _attach_foreign_model, ValueError,
-             "model that owns the optimizer's params but 7 trainable"),
+             "model that owns the optimizer's params but 8 param"),
     BadInput("param_data_reassigned", _param_data_reassigned, RuntimeError,
              r"no longer live in the flat buffers .*param.data = "),
     BadInput("clip_norm_type_not_positive", _bad_norm_type, ValueError, "norm_type > 0"),
@@ -185,7 +182,7 @@ def test_save_over_a_folder_it_did_not_write(single_rank_group, tmp_path: Path) 
 def test_custom_optimizer_accepted_on_opt_in(single_rank_group) -> None:
     param = _param(3)
     optimizer = ShardingStage1(_my_adam(param), assume_elementwise=True)
-    param.grad.fill_(1.0)
+    param.grad = torch.ones(3)
     optimizer.step()
     assert torch.all(param < 1.0)
 

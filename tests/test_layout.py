@@ -429,7 +429,16 @@ def test_frozen_params_keep_their_index_free():
         plan.slot(2)
 
 
-def test_no_params_or_all_frozen():
+def test_frozen_and_trainable_params_never_share_a_bucket():
+    params = [spec(3), ParamSpec((4,), torch.float32, CPU, 0, requires_grad=False), spec(5)]
+    plan = plan_layout(params, 2, align_bytes=4, bucket_size_bytes=1 << 20)
+    assert [([s.param_index for s in b.slots], b.requires_grad) for b in plan.buckets] == [
+        ([2, 0], True),
+        ([1], False),
+    ]
+
+
+def test_no_params_or_all_left_out():
     for params in ([], [None, None]):
         plan = plan_layout(params, 4, bucket_size_bytes=1024)
         assert plan.buckets == ()
@@ -487,6 +496,7 @@ def test_round_up(value, multiple, expected):
 def test_param_spec_of_tensor():
     t = torch.zeros(3, 4, dtype=torch.float16)
     p = ParamSpec.of(t, 2)
-    assert p == ParamSpec((3, 4), torch.float16, CPU, 2)
+    assert p == ParamSpec((3, 4), torch.float16, CPU, 2, requires_grad=False)
+    assert ParamSpec.of(t.requires_grad_(), 2).requires_grad
     assert p.numel == 12
     assert ParamSpec.of(torch.tensor(1.0), 0).numel == 1

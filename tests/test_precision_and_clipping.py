@@ -87,12 +87,14 @@ def _master_state_dtypes() -> dict:
     optimizer.zero_grad()
     model(torch.randn(GLOBAL_BATCH, 12, dtype=torch.bfloat16)).sum().backward()
     optimizer.step()
-    state = optimizer._bucket_states()
+    shards = optimizer._comm.live_shards()
     return {
-        "state_dtypes": {v.dtype for s in state for v in s.values() if v.dim() == 1},
-        "master_dtypes": {p.dtype for p in optimizer._comm.local_params},
-        "local_numel": sum(p.numel() for p in optimizer._comm.local_params),
-        "padded_numel": sum(b.padded_numel for b in optimizer.plan.buckets),
+        "state_dtypes": {
+            v.dtype for s in optimizer._inner.state.values() for v in s.values() if v.dim() == 1
+        },
+        "master_dtypes": {s.master.dtype for s in shards},
+        "local_numel": sum(s.master.numel() for s in shards),
+        "padded_numel": sum(s.bucket.padded_numel for s in shards),
     }
 
 
@@ -147,7 +149,7 @@ def _master_keeps_precision_and_follows_loaded_params() -> dict:
         model(inputs).sum().backward()
         optimizer.step()
     optimizer.sync_params()
-    masters = torch.cat([p.detach() for p in optimizer._comm.local_params])
+    masters = torch.cat([s.master for s in optimizer._comm.live_shards()])
     keeps_fp32_bits = not torch.equal(masters, masters.to(torch.bfloat16).float())
 
     # Loading weights into the wrapped model must win over the stale master copy.

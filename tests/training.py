@@ -133,7 +133,12 @@ def train_sharded(config: RunConfig) -> dict:
         "losses": losses,
         "norms": norms,
         "state_numel": _state_numel(optimizer._inner),
-        "shard_numel": sum(b.shard_numel for b in optimizer.plan.buckets),
+        "trainable_local_numel": sum(
+            piece.numel
+            for shard in optimizer._comm.live_shards()
+            for piece in shard.pieces
+            if optimizer._buffers.params[piece.param_index].requires_grad
+        ),
         "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
 

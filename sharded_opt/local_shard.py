@@ -1,0 +1,168 @@
+"""What one rank steps of one bucket: its shard, as per-param pieces the inner optimizer owns.
+
+Note [Per-param pieces]
+    A rank's shard of a bucket is a flat range that ignores param boundaries. Stepping it as one
+    tensor would make every param of the bucket share one optimizer state entry (one ``step``
+    counter, one "has this param had a grad" decision), which is not what ``torch.optim`` does:
+    a param that got no grad (``grad is None``) is skipped, its state untouched, and each param
+    counts its own steps. So the inner optimizer is given one leaf tensor per *piece* (the
+    intersection of a param with the shard, as Megatron's distributed optimizer does), each a view
+    into the flat shard with a grad that views the flat reduced grad. The collectives still read
+    and write whole buckets; only the optimizer sees pieces, and torch's own rules then hold per
+    param: before a step, the pieces of params that got no grad on any rank get ``grad=None``.
+
+    On CPU each piece is further cut into views of at most ``CPU_CHUNK_BYTES``: torch's default
+    single-tensor kernels make one pass over memory per element-wise op, and over multi-MiB
+    tensors every pass streams from DRAM. Chunks of 256 KiB keep a chunk's param, grad and two
+    Adam moments in a core's L2 between passes (measured here, AdamW over 1.4M fp32 elements on
+    one thread: 5.3 ms as one tensor, 2.6 ms in chunks). The math per element is unchanged, so
+    results stay bitwise equal. Accelerators keep one tensor per piece and step them through
+    torch's multi-tensor (foreach) kernels.
+
+Note [Master copies]
+    With a ``master_dtype`` wider than the params' dtype (fp32 for bf16 params), the pieces view
+    a master copy of the shard instead of the param buffer, and after a step the master is cast
+    back into the param buffer. The params stay the truth: anything that writes a param in place
+    (``model.load_state_dict``, ``param.data.clamp_``, an embedding's ``max_norm`` renorm) makes
+    it differ from its master rounded to the param dtype, so before each step every element whose
+    param value differs from its rounded master is re-read from the param. The check is by value
+    and per element: it catches writes through ``.data`` that no version counter sees, and it
+    touches no other element. No master is kept when ``master_dtype`` is not wider than the
+    params (an fp64 param is never rounded to fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fusion.buffers import FlatBuffers
+from fusion.layout import BucketPlan, ShardPiece
+
+CPU_CHUNK_BYTES = 256 * 1024
+"""Largest inner-optimizer tensor on CPU, see Note [Per-param pieces]."""
+
+
+@dataclass(frozen=True, slots=True)
+class BucketPrecision:
+    """Resolved dtypes of one bucket: params/grads, the reduction, the tensor the optimizer steps."""
+
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    master_dtype: torch.dtype
+
+    @property
+    def has_master(self) -> bool:
+        return self.master_dtype != self.param_dtype
+
+
+def resolve_precision(
+    param_dtype: torch.dtype, reduce_dtype: torch.dtype | None, master_dtype: torch.dtype | None
+) -> BucketPrecision:
+    """``None`` means: reduce 16-bit grads in fp32 and others in their own dtype; no master copy.
+    A master dtype that is not wider than the params' dtype is no master, see Note [Master copies]."""
+    if reduce_dtype is None:
+        reduce_dtype = torch.float32 if param_dtype.itemsize < 4 else param_dtype
+    if master_dtype is None or master_dtype.itemsize <= param_dtype.itemsize:
+        master_dtype = param_dtype
+    return BucketPrecision(param_dtype, reduce_dtype, master_dtype)
+
+
+@dataclass(eq=False, slots=True)
+class LocalShard:
+    """One bucket as this rank steps it.
+
+    Attributes:
+        bucket: the bucket's plan.
+        param_view: this rank's slice of the bucket's param buffer (the whole buffer unsharded).
+        reduced_grad: the averaged grads of ``param_view``'s elements, in the reduction dtype;
+            the bucket's grad buffer itself when it is reduced in place or not at all.
+        stepped: the tensor the optimizer updates: ``param_view`` or its master copy.
+        stepped_grad: the grad of ``stepped`` as one flat tensor: ``reduced_grad`` itself, or a
+            copy of it in the stepped dtype.
+        pieces: the params' pieces in ``param_view``, in layout order.
+        inner_params: leaf views of ``stepped``, one per piece (or per chunk of one on CPU);
+            ``inner_grads[i]`` is the grad view the optimizer reads for ``inner_params[i]``.
+        inner_owners: the param index of each inner param.
+    """
+
+    bucket: BucketPlan
+    param_view: Tensor
+    reduced_grad: Tensor
+    stepped: Tensor
+    stepped_grad: Tensor
+    pieces: tuple[ShardPiece, ...]
+    inner_params: list[Tensor]
+    inner_grads: list[Tensor]
+    inner_owners: list[int]
+
+    @property
+    def master(self) -> Tensor | None:
+        """The master copy, or None when the optimizer steps the params themselves."""
+        return None if self.stepped.data_ptr() == self.param_view.data_ptr() else self.stepped
+
+    @torch.no_grad()
+    def refresh_master(self) -> None:
+        """Re-read every master element whose param was written since, see Note [Master copies]."""
+        master = self.master
+        if master is None:
+            return
+        stale = master.to(self.param_view.dtype) != self.param_view
+        if stale.any():
+            master.copy_(torch.where(stale, self.param_view.to(master.dtype), master))
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Cast the stepped master back into the params (nothing to do without a master)."""
+        if self.master is not None:
+            self.param_view.copy_(self.master)
+
+    @torch.no_grad()
+    def copy_reduced_to_stepped_grad(self) -> None:
+        if self.stepped_grad is not self.reduced_grad:
+            self.stepped_grad.copy_(self.reduced_grad)
+
+
+def build_local_shard(
+    buffers: FlatBuffers,
+    bucket: BucketPlan,
+    rank: int,
+    sharded: bool,
+    reduced_grad: Tensor,
+    precision: BucketPrecision,
+) -> LocalShard:
+    """The local shard of ``bucket``; see Note [Per-param pieces] and Note [Master copies].
+
+    ``reduced_grad`` is where the bucket's averaged grads of the local range arrive.
+    """
+    if sharded:
+        param_view = buffers.param_shard(bucket.index, rank)
+        pieces = bucket.shard_pieces(rank)
+    else:
+        param_view = buffers.param_buffers[bucket.index]
+        pieces = tuple(ShardPiece(s.param_index, 0, s.offset, s.numel) for s in bucket.slots)
+    if precision.has_master:
+        stepped = param_view.detach().to(precision.master_dtype, copy=True)
+    else:
+        stepped = param_view.detach()
+    stepped_grad = reduced_grad if reduced_grad.dtype == stepped.dtype else torch.zeros_like(stepped)
+    shard = LocalShard(bucket, param_view, reduced_grad, stepped, stepped_grad, pieces, [], [], [])
+    chunk_numel = _chunk_numel(stepped)
+    for piece in pieces:
+        for start in range(piece.shard_start, piece.shard_start + piece.numel, chunk_numel):
+            end = min(start + chunk_numel, piece.shard_start + piece.numel)
+            inner = stepped.detach()[start:end].detach().requires_grad_(True)
+            grad = stepped_grad[start:end]
+            inner.grad = grad
+            shard.inner_params.append(inner)
+            shard.inner_grads.append(grad)
+            shard.inner_owners.append(piece.param_index)
+    return shard
+
+
+def _chunk_numel(stepped: Tensor) -> int:
+    if stepped.device.type != "cpu":
+        return max(1, stepped.numel())
+    return max(1, CPU_CHUNK_BYTES // stepped.element_size())

@@ -1,0 +1,269 @@
+"""Random training programs, run through ShardingStage1 on N ranks and through plain torch.
+
+A :class:`Program` is a small training script: an optimizer class and settings, a scheduler
+built before or after wrapping, and per step which layers are frozen, which ranks use an
+optional "expert" branch, how many micro-batches accumulate (``no_sync``), how grads are zeroed,
+and whether the optimizer state is swapped with the plain run's through ``state_dict()``.
+
+Every rank runs the program twice: sharded on its slice of each batch, and as the plain torch
+reference on the whole batch in the same process (so state dicts can cross between the two).
+The reference computes each slice's grads separately and averages them in rank order, the order
+the reduction sums them in, so that what the comparison sees is the optimizer's semantics, not
+a different rounding of the batch mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+
+GLOBAL_BATCH = 12
+IN_FEATURES = 6
+LAYERS = ("embed", "body", "expert", "head")
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "sgd_nesterov": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.8, nesterov=True),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-2),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "adamw_amsgrad": lambda params: torch.optim.AdamW(params, lr=1e-2, amsgrad=True),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.5, centered=True),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.05, weight_decay=0.01),
+    "nadam": lambda params: torch.optim.NAdam(params, lr=1e-2),
+    "radam": lambda params: torch.optim.RAdam(params, lr=1e-2, weight_decay=0.01),
+    "adamax": lambda params: torch.optim.Adamax(params, lr=1e-2),
+    "asgd": lambda params: torch.optim.ASGD(params, lr=1e-2, t0=2),
+}
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    frozen: tuple[str, ...] = ()
+    """Layers with ``requires_grad=False`` during this step."""
+    expert_ranks: str = "all"
+    """Which ranks run the expert branch: "all", "none", or "some" (the even ones)."""
+    micro_batches: int = 1
+    zero_grad: str = "optimizer"
+    """"optimizer" (``opt.zero_grad()``), "model" (``model.zero_grad()``) or "none"."""
+    swap_state: bool = False
+    """After the step, load the plain optimizer's state dict into the wrapper and the wrapper's
+    into the plain optimizer."""
+
+
+@dataclass(frozen=True)
+class Program:
+    optimizer: str
+    steps: tuple[StepSpec, ...]
+    frozen_at_wrap: tuple[str, ...] = ()
+    scheduler: str | None = None
+    scheduler_before_wrap: bool = False
+    bucket_size_mb: float = 0.0005
+    bf16_master: bool = False
+    overlap: bool = False
+    attach_model: bool = True
+
+
+class ExpertModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(IN_FEATURES, 8)
+        self.body = nn.Linear(8, 8)
+        self.expert = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+        self.scale = nn.Parameter(torch.tensor(1.25))
+
+    def forward(self, x: torch.Tensor, use_expert: bool) -> torch.Tensor:
+        hidden = torch.tanh(self.embed(x))
+        hidden = torch.tanh(self.body(hidden))
+        if use_expert:
+            hidden = hidden + torch.relu(self.expert(hidden))
+        return self.head(hidden) * self.scale
+
+
+def make_model(bf16: bool) -> ExpertModel:
+    torch.manual_seed(0)
+    model = ExpertModel()
+    return model.to(torch.bfloat16) if bf16 else model
+
+
+def set_frozen(model: ExpertModel, frozen: tuple[str, ...]) -> None:
+    for name in LAYERS:
+        getattr(model, name).requires_grad_(name not in frozen)
+
+
+def uses_expert(spec: StepSpec, rank: int) -> bool:
+    return spec.expert_ranks == "all" or (spec.expert_ranks == "some" and rank % 2 == 0)
+
+
+def batch(step: int, micro: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + micro)
+    inputs = torch.randn(GLOBAL_BATCH, IN_FEATURES, generator=generator)
+    targets = torch.randn(GLOBAL_BATCH, 2, generator=generator)
+    return inputs.to(dtype), targets.to(dtype)
+
+
+def local_slice(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    size = tensor.shape[0] // world_size
+    return tensor[rank * size : (rank + 1) * size]
+
+
+def make_scheduler(name: str | None, optimizer: torch.optim.Optimizer):
+    if name == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    if name == "lambda":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    return None
+
+
+def slice_loss(model: ExpertModel, spec: StepSpec, step: int, micro: int, rank: int, world_size: int):
+    dtype = next(model.parameters()).dtype
+    inputs, targets = batch(step, micro, dtype)
+    inputs, targets = local_slice(inputs, rank, world_size), local_slice(targets, rank, world_size)
+    output = model(inputs, uses_expert(spec, rank))
+    return torch.nn.functional.mse_loss(output, targets) / spec.micro_batches
+
+
+class ShardedRun:
+    """The program through ShardingStage1 on this rank's slices."""
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.model = make_model(program.bf16_master)
+        set_frozen(self.model, program.frozen_at_wrap)
+        inner = OPTIMIZERS[program.optimizer](self.model.parameters())
+        self.scheduler = make_scheduler(program.scheduler, inner) if program.scheduler_before_wrap else None
+        config = ShardingConfig(
+            bucket_size_mb=program.bucket_size_mb,
+            master_dtype=torch.float32 if program.bf16_master else None,
+        )
+        self.optimizer = ShardingStage1(
+            inner,
+            overlap=program.overlap,
+            strategy=Strategy(sharding=config),
+            model=self.model if program.attach_model else None,
+        )
+        if not program.scheduler_before_wrap:
+            self.scheduler = make_scheduler(program.scheduler, self.optimizer)
+
+    def run_step(self, step: int, spec: StepSpec) -> None:
+        set_frozen(self.model, spec.frozen)
+        for micro in range(spec.micro_batches):
+            last = micro == spec.micro_batches - 1
+            with contextlib.nullcontext() if last else self.optimizer.no_sync():
+                slice_loss(self.model, spec, step, micro, self.rank, self.world_size).backward()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if spec.zero_grad == "optimizer":
+            self.optimizer.zero_grad()
+        elif spec.zero_grad == "model":
+            self.model.zero_grad()
+
+    def params(self) -> list[torch.Tensor]:
+        self.optimizer.sync_params()
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+class PlainRun:
+    """The same program with the plain optimizer on the whole batch (see the module docstring);
+    with ``bf16_master``, the textbook loop: fp32 master params stepped, bf16 params copied."""
+
+    def __init__(self, program: Program, world_size: int) -> None:
+        self.program = program
+        self.world_size = world_size
+        self.model = make_model(program.bf16_master)
+        set_frozen(self.model, program.frozen_at_wrap)
+        params = list(self.model.parameters())
+        if program.bf16_master:
+            self.masters = [p.detach().float().requires_grad_(p.requires_grad) for p in params]
+        else:
+            self.masters = params
+        self.optimizer = OPTIMIZERS[program.optimizer](self.masters)
+        self.scheduler = make_scheduler(program.scheduler, self.optimizer)
+        self.slice_grads: list[list[torch.Tensor | None]] = [[None] * len(params) for _ in range(world_size)]
+
+    def run_step(self, step: int, spec: StepSpec) -> None:
+        set_frozen(self.model, spec.frozen)
+        params = list(self.model.parameters())
+        for master, param in zip(self.masters, params, strict=True):
+            master.requires_grad_(param.requires_grad)
+        for rank in range(self.world_size):
+            for micro in range(spec.micro_batches):
+                self.model.zero_grad()
+                slice_loss(self.model, spec, step, micro, rank, self.world_size).backward()
+                self.slice_grads[rank] = [
+                    _add(total, p.grad) for total, p in zip(self.slice_grads[rank], params, strict=True)
+                ]
+        self.model.zero_grad()
+        for index, master in enumerate(self.masters):
+            grad = _average([grads[index] for grads in self.slice_grads], params[index].dtype)
+            master.grad = None if grad is None else grad.to(master.dtype)
+        self.optimizer.step()
+        if self.program.bf16_master:
+            with torch.no_grad():
+                for param, master in zip(params, self.masters, strict=True):
+                    param.copy_(master)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if spec.zero_grad in ("optimizer", "model"):
+            self.slice_grads = [[None] * len(params) for _ in range(self.world_size)]
+            self.optimizer.zero_grad()
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+def _add(total: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor | None:
+    if total is None or value is None:
+        return value if total is None else total
+    return total + value
+
+
+def _average(grads: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor | None:
+    """Sum in rank order (missing grads count as zeros), then divide, in the reduction dtype
+    (fp32 for 16-bit grads), as the ranks' averaging collective does."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return None
+    reduce_dtype = torch.float32 if dtype.itemsize < 4 else dtype
+    total = torch.zeros_like(present[0], dtype=reduce_dtype)
+    for grad in grads:
+        if grad is not None:
+            total = total + grad.to(reduce_dtype)
+    return total / len(grads)
+
+
+def run_program(program: Program) -> dict:
+    """Both runs of ``program`` on this rank; returns their final params and state dicts."""
+    sharded = ShardedRun(program)
+    plain = PlainRun(program, sharded.world_size)
+    for step, spec in enumerate(program.steps):
+        sharded.run_step(step, spec)
+        plain.run_step(step, spec)
+        if spec.swap_state:
+            from_sharded = sharded.optimizer.state_dict()
+            from_plain = plain.optimizer.state_dict()
+            sharded.optimizer.load_state_dict(from_plain)
+            plain.optimizer.load_state_dict(from_sharded)
+    return {
+        "sharded": sharded.params(),
+        "plain": plain.params(),
+        "sharded_state": sharded.optimizer.state_dict(),
+        "plain_state": plain.optimizer.state_dict(),
+    }
+
+
+def run_programs(programs: list[Program]) -> list[dict]:
+    results = []
+    for program in programs:
+        for overlap in (False, True):
+            results.append(run_program(dataclasses.replace(program, overlap=overlap)))
+    return results
