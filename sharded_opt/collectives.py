@@ -50,6 +50,11 @@ def _reduce_scatter_by_all_to_all(
     def average(_: Future | None = None) -> None:
         torch.sum(received.view(world_size, -1), dim=0, out=output)
         output.div_(world_size)
+        if received.device.type != "cpu":
+            # A device future runs its callbacks on a stream of its choosing; without this the
+            # block could be reused on the comm stream while the sum still reads it. See
+            # Note [Streams and events].
+            received.record_stream(torch.accelerator.current_stream(received.device))
 
     work = dist.all_to_all_single(received, input, group=group, async_op=True)
     if async_op:

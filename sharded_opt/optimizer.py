@@ -50,7 +50,10 @@ class ShardingStage1(torch.optim.Optimizer):
             model attached) the all-gather of later layers runs during the next forward.
         strategy: a :class:`Strategy`; default ``Strategy()``. It is copied, so later changes
             to the object do not affect this wrapper.
-        process_group: ranks to shard over; default the whole world.
+        process_group: ranks to shard over; default the whole world. The wrapper communicates
+            on a group of its own over the same ranks (``self.process_group``), so several
+            wrappers on one group never mix their collectives; see Note [One communicator per
+            wrapper] in ``sharded_opt/validation.py``.
         model: the module that owns the params. In overlap mode its modules then wait for
             their own params only, see :meth:`attach`.
         assume_elementwise: accept an optimizer class not known to be element-wise, on the

@@ -1,24 +1,61 @@
 """The communication stream and the two dependencies between it and compute.
 
 Note [Streams and events]
-    On an accelerator, collectives are issued on a dedicated side stream so they can run while
-    the default (compute) stream runs backward or forward kernels. Two dependencies keep this
-    correct, mirroring Paddle's ``c_wait_compute`` / ``c_wait_comm`` ops:
+    Three kinds of stream take part on an accelerator: the compute stream (current when the
+    user runs forward, backward and ``step()``), the wrapper's comm stream (``new_comm_stream``)
+    and the process group's own internal stream. Facts the code relies on (torch 2.13):
+
+    * A collective with ``async_op=True`` does not run on the stream current at the call. NCCL
+      enqueues it on the process group's internal stream, which first waits for the stream that
+      was current at the call. So the comm stream only runs what the wrapper itself enqueues
+      there (the casts of grads to ``reduce_dtype`` and copies into the reduction buffer); the
+      collective starts after those and after whatever the comm stream already waited for.
+      Gloo with device tensors behaves alike: it copies through the host on a stream of its
+      own that waits for the current one.
+    * ``Work.wait()`` makes the *current* stream (not the host, on NCCL-like backends) wait for
+      the collective's end. It orders only that stream: another stream that later touches the
+      collective's buffers must wait too, or wait for an event recorded after this wait.
+    * The process group keeps the tensors of an async collective alive (it stashes them) and
+      lets them go at ``wait()``; ``record_stream`` is no longer how their memory is protected.
+      When a temporary is then freed, the caching allocator returns its block to the stream it
+      was allocated on (the comm stream, for the casts) with no record of the internal stream's
+      use. A temporary freed after a compute-side wait and refilled by a new allocation on the
+      comm stream is therefore a race unless the comm stream waited too. Every block of
+      comm-stream work here begins with ``wait_compute`` (an event recorded on the compute
+      stream *after* its waits), so the comm stream is always ordered after every collective
+      the compute stream already waited for; keep it that way when adding comm-stream work.
+      A temporary used by a future's callback (which runs on a stream the future picks) is
+      marked with ``record_stream`` by whoever allocated it, see ``collectives``.
+
+    The two dependencies, mirroring Paddle's ``c_wait_compute`` / ``c_wait_comm`` ops:
 
     * ``wait_compute``: before a collective reads a buffer, the comm stream waits for an event
       recorded on the compute stream after the last kernel that wrote it (the last grad
       accumulation of a bucket, or the last optimizer op on a shard).
     * ``wait_comm``: before compute reads a buffer a collective wrote, the compute stream waits
-      for that collective (``Work.wait()`` makes the *current* stream wait, without blocking the
-      host, on NCCL-like backends).
+      for that collective.
+
+    The comm stream has high priority (``priority=-1``, as FSDP2 gives its all-gather and
+    reduce-scatter streams): its casts are short and sit on the critical path of a collective,
+    so they should not queue behind long compute kernels.
 
     On CPU there is no stream: host code is already ordered after every compute op it issued, so
     ``wait_compute`` has nothing to do, and an async gloo collective's ``Work`` handle plays the
     event's role: ``wait_comm`` blocks the host until the collective is done.
 
-    The buffers that collectives read or write are allocated once and live as long as the
-    wrapper, so the caching allocator can never hand their memory to another tensor while a
-    collective on the side stream still uses it.
+    The buffers that collectives read or write persistently (flat buffers, reduced shards) are
+    allocated once and live as long as the wrapper, so the allocator never hands their memory
+    to another tensor while a collective still uses it.
+
+    Bitwise equality of sync and overlap mode holds because both issue the same collectives on
+    the same buffers in the same order; it assumes the backend reduces deterministically. NCCL's
+    NVLS (NVSwitch multicast) and SHARP/CollNet reductions on NVSwitch or InfiniBand-switch
+    nodes reduce inside the switch, and their summation order is not guaranteed to be the same
+    from one call to the next. On such nodes two runs (or sync and overlap) agree only up to
+    reduction-order rounding (about one ulp of the reduce dtype per element per step, which
+    training can amplify), unless NVLS is disabled (``NCCL_NVLS_ENABLE=0``) and the algorithm
+    is pinned (``NCCL_ALGO=Ring`` or ``Tree``, same on every run), which restores bitwise
+    reproducibility at some bandwidth cost.
 
 Everything here is device-generic (``torch.Stream``, ``torch.Event``, ``torch.accelerator``):
 CUDA, ROCm and XPU take the same path and nothing branches on a device name.
@@ -33,12 +70,15 @@ import torch
 from torch.distributed import Work
 from torch.futures import Future
 
+COMM_STREAM_PRIORITY = -1
+"""Higher than compute's default 0 (lower is higher), see Note [Streams and events]."""
+
 
 def new_comm_stream(device: torch.device) -> torch.Stream | None:
-    """A fresh side stream on ``device``'s accelerator, or None on CPU."""
+    """A fresh high-priority side stream on ``device``'s accelerator, or None on CPU."""
     if device.type == "cpu":
         return None
-    return torch.Stream(device=device)
+    return torch.Stream(device=device, priority=COMM_STREAM_PRIORITY)
 
 
 @contextlib.contextmanager

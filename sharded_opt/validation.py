@@ -3,6 +3,8 @@ changed, with a message that names the problem and the fix."""
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -83,7 +85,28 @@ def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list
 
 
 def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGroup, int, int]:
-    """The group (default: the whole world), this rank's index in it and its size."""
+    """A communicator of the wrapper's own over the user's group (default: the whole world),
+    this rank's index in it and its size.
+
+    Note [One communicator per wrapper]
+        Collectives on one process group pair up across ranks in issue order, whoever issued
+        them. Two wrappers on the same group (a GAN's generator and discriminator, say) issue
+        their overlap-mode reductions from backward hooks, and ranks that run the two backwards
+        in different orders would pair one wrapper's collective with the other's: silently
+        wrong numbers for equal sizes, an abort for different ones. So each wrapper splits a
+        new group with the same ranks, backend and timeout from the user's group; every
+        collective of the wrapper (bucket reductions and all-gathers, clipping norms, the
+        scaler's inf flag, state dicts, checkpoints, the initial broadcast) then runs on it and
+        is ordered only against its own kind.
+
+        ``use_local_synchronization=True`` means only the group's members take part in creating
+        it, so a subgroup works without the other ranks' help. torch names such a group after
+        its ranks and the number of groups this process has created, so members must have
+        created equally many groups before (true for groups made by every rank together, the
+        usual case); otherwise the creation waits and fails after the group's timeout. The
+        group lives until the default group is destroyed (at exit, or by
+        ``destroy_process_group()``): one per wrapper, none per step.
+    """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "ShardingStage1 needs an initialized torch.distributed process group; call "
@@ -91,10 +114,22 @@ def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGr
             "torch.distributed.init_process_group(...)"
         )
     group = process_group if process_group is not None else dist.group.WORLD
-    rank = dist.get_rank(group)
-    if rank < 0:
+    if dist.get_rank(group) < 0:
         raise ValueError("ShardingStage1 was given a process_group that this rank is not a member of")
-    return group, rank, dist.get_world_size(group)
+    communicator = dist.new_group(
+        ranks=dist.get_process_group_ranks(group),
+        timeout=_timeout_of(group),
+        backend=dist.get_backend(group),
+        use_local_synchronization=True,
+    )
+    return communicator, dist.get_rank(communicator), dist.get_world_size(communicator)
+
+
+def _timeout_of(group: ProcessGroup) -> datetime.timedelta | None:
+    """The group's collective timeout (so a dead peer fails the new group's collectives as soon
+    as the user's), or None (torch's default) where the backend does not expose it."""
+    options = getattr(group._get_backend(group._device_types[0]), "options", None)
+    return getattr(options, "_timeout", None)
 
 
 def check_same_layout(specs: list[ParamSpec], group: ProcessGroup, world_size: int) -> None:

@@ -16,9 +16,14 @@ from sharded_opt import spawn
 TEST_COLLECTIVE_TIMEOUT_S = 60.0
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """``fn(*args)`` on ``world_size`` ranks; returns the per-rank results in rank order."""
-    return spawn(_single_threaded, (fn, args), nprocs=world_size, timeout_s=TEST_COLLECTIVE_TIMEOUT_S)
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = TEST_COLLECTIVE_TIMEOUT_S
+) -> list[Any]:
+    """``fn(*args)`` on ``world_size`` ranks; returns the per-rank results in rank order.
+
+    ``timeout_s`` bounds each collective; tests whose failure mode is a hang pass a short one.
+    """
+    return spawn(_single_threaded, (fn, args), nprocs=world_size, timeout_s=timeout_s)
 
 
 def _single_threaded(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:

@@ -1,0 +1,187 @@
+"""How much of the grad reduce-scatters and param all-gathers ran while compute ran: pure
+interval arithmetic over profiler events (from a Chrome trace or built by hand).
+
+Definitions (what "hidden comm %" means):
+
+* A *comm* event is a reduce-scatter or all-gather as the backend executes it: NCCL kernels
+  (``ncclDevKernel_ReduceScatter...``, ``ncclKernel_AllGather...``) or gloo's own spans on its
+  worker threads (``gloo:all_to_all``, which is how the wrapper reduce-scatters on gloo, and
+  ``gloo:all_gather``). The host-side ``c10d::...`` issue calls are neither comm nor compute.
+* A *compute* event is a GPU kernel that is not a collective (``compute="kernel"``) or, for CPU
+  traces, an ``aten::`` operator (``compute="cpu_op"``).
+* Events are placed on *lanes* (a GPU stream or a host thread). Compute on the same lane as a
+  comm event cannot run beside it (on a host thread it is nested inside it, e.g. gloo's
+  staging copies), so only compute on other lanes counts.
+
+``hidden = | U_lanes L ( comm on L  intersect  compute not on L ) |`` and
+``hidden_fraction = hidden / | U comm |``, where ``U`` is the union of intervals and ``| |`` its
+length: the share of wall-clock time during which some reduce-scatter or all-gather was in
+flight that some other lane spent computing. 1.0 means the communication was entirely hidden
+behind compute; 0.0 means compute always waited for it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Interval = tuple[float, float]
+"""(start_us, end_us) with start <= end."""
+
+CommKind = Literal["reduce_scatter", "all_gather"]
+ComputeSource = Literal["kernel", "cpu_op"]
+
+_COMM_PREFIXES = ("gloo:", "nccl")
+_REDUCE_SCATTER_MARKERS = ("reducescatter", "alltoall")
+_ALL_GATHER_MARKERS = ("allgather",)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEvent:
+    """One complete (``ph == "X"``) profiler event."""
+
+    name: str
+    start_us: float
+    dur_us: float
+    lane: str
+    """A GPU stream (``"stream 7"``) or a host thread (``"pid/tid"``)."""
+    category: str = ""
+    """The trace's ``cat``: ``"kernel"``, ``"cpu_op"``, ``"user_annotation"``, ..."""
+
+    @property
+    def interval(self) -> Interval:
+        return (self.start_us, self.start_us + self.dur_us)
+
+
+@dataclass(frozen=True, slots=True)
+class OverlapReport:
+    """The result of :func:`analyze`; times in microseconds."""
+
+    comm_us: float
+    """Length of the union of all reduce-scatter and all-gather intervals."""
+    hidden_us: float
+    """Part of ``comm_us`` during which compute ran on another lane."""
+    comm_events: dict[str, int]
+    """Number of comm events by kind."""
+    compute_events: int
+
+    @property
+    def hidden_fraction(self) -> float:
+        """``hidden_us / comm_us``; 0.0 when there was no comm at all."""
+        return self.hidden_us / self.comm_us if self.comm_us > 0 else 0.0
+
+
+def comm_kind(name: str) -> CommKind | None:
+    """The collective an event executes, or None for anything else (see module docstring)."""
+    lowered = name.lower()
+    if not lowered.startswith(_COMM_PREFIXES):
+        return None
+    flat = lowered.replace("_", "")
+    if any(marker in flat for marker in _REDUCE_SCATTER_MARKERS):
+        return "reduce_scatter"
+    if any(marker in flat for marker in _ALL_GATHER_MARKERS):
+        return "all_gather"
+    return None
+
+
+def is_compute(event: TraceEvent, source: ComputeSource) -> bool:
+    """True for the events that count as compute, see the module docstring."""
+    if event.name.lower().startswith(_COMM_PREFIXES):
+        return False
+    if source == "kernel":
+        return event.category == "kernel"
+    return event.category == "cpu_op" and event.name.startswith("aten::")
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, disjoint intervals covering exactly the same points; empty ones are dropped."""
+    merged: list[Interval] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def intersection(first: Sequence[Interval], second: Sequence[Interval]) -> list[Interval]:
+    """Intersection of two sets of intervals (each given as a :func:`union`)."""
+    result: list[Interval] = []
+    a = b = 0
+    while a < len(first) and b < len(second):
+        start = max(first[a][0], second[b][0])
+        end = min(first[a][1], second[b][1])
+        if end > start:
+            result.append((start, end))
+        if first[a][1] < second[b][1]:
+            a += 1
+        else:
+            b += 1
+    return result
+
+
+def length(intervals: Iterable[Interval]) -> float:
+    """Total length of disjoint intervals."""
+    return sum(end - start for start, end in intervals)
+
+
+def analyze(events: Iterable[TraceEvent], compute: ComputeSource) -> OverlapReport:
+    """Hidden reduce-scatter and all-gather time, as defined in the module docstring.
+
+    Raises:
+        ValueError: ``compute`` is not ``"kernel"`` or ``"cpu_op"``.
+    """
+    if compute not in ("kernel", "cpu_op"):
+        raise ValueError(f"analyze expects compute='kernel' or 'cpu_op' but got {compute!r}")
+    comm_by_lane: dict[str, list[Interval]] = {}
+    compute_by_lane: dict[str, list[Interval]] = {}
+    counts: dict[str, int] = {"reduce_scatter": 0, "all_gather": 0}
+    for event in events:
+        kind = comm_kind(event.name)
+        if kind is not None:
+            counts[kind] += 1
+            comm_by_lane.setdefault(event.lane, []).append(event.interval)
+        elif is_compute(event, compute):
+            compute_by_lane.setdefault(event.lane, []).append(event.interval)
+    hidden: list[Interval] = []
+    for lane, comm in comm_by_lane.items():
+        others = union(i for other, spans in compute_by_lane.items() if other != lane for i in spans)
+        hidden.extend(intersection(union(comm), others))
+    comm_all = union(i for spans in comm_by_lane.values() for i in spans)
+    return OverlapReport(
+        comm_us=length(comm_all),
+        hidden_us=length(union(hidden)),
+        comm_events=counts,
+        compute_events=sum(len(spans) for spans in compute_by_lane.values()),
+    )
+
+
+def load_chrome_trace(path: str | Path) -> list[TraceEvent]:
+    """The complete events of a trace written by ``torch.profiler``'s ``export_chrome_trace``.
+
+    Raises:
+        ValueError: the file is not a Chrome trace (no ``traceEvents`` list).
+    """
+    data = json.loads(Path(path).read_text())
+    raw = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(raw, list):
+        raise ValueError(
+            f"load_chrome_trace expects a Chrome trace with a traceEvents list but {path} has none"
+        )
+    return [_to_event(entry) for entry in raw if entry.get("ph") == "X" and "dur" in entry]
+
+
+def _to_event(entry: dict) -> TraceEvent:
+    args = entry.get("args") or {}
+    stream = args.get("stream")
+    lane = f"stream {stream}" if stream is not None else f"{entry.get('pid')}/{entry.get('tid')}"
+    return TraceEvent(
+        name=str(entry.get("name", "")),
+        start_us=float(entry["ts"]),
+        dur_us=float(entry["dur"]),
+        lane=lane,
+        category=str(entry.get("cat", "")),
+    )
