@@ -14,7 +14,8 @@ Note [Which params got a grad]
     at the first hook of every backward and before every reduction (:meth:`GradReadyTracker.scan`):
     a newly unfrozen param gets its hook then (and, if its bucket was all frozen so far, the
     bucket gets its grad buffer and local shard); a grad it accumulated before its hook existed is
-    adopted and counted. A frozen param is simply no longer expected.
+    adopted (its bucket then waits for the end of backward). A frozen param is simply no longer
+    expected.
 
 Note [Launching reductions during backward]
     In overlap mode the hook also counts the grads that landed in each bucket. When a bucket's
@@ -83,8 +84,8 @@ class GradReadyTracker:
         self.accumulate_only = False
         """True inside ``no_sync()``: grads accumulate in the buffers and nothing is launched."""
         self._handles: list[RemovableHandle] = []
-        self.reset()
         self.scan()
+        self.reset()
 
     @property
     def overlapping(self) -> bool:
@@ -131,11 +132,11 @@ class GradReadyTracker:
         self._handles.append(param.register_post_accumulate_grad_hook(hook))
         self._hooked[index] = 1
         if arrived_before_hook:
+            # Not counted: the grad may be from this backward or older; if this backward still
+            # reaches the param, its hook counts it, and otherwise the end-of-backward flush
+            # launches the bucket.
             self._buffers.adopt_grad(index)
             self.received[index] = 1
-            if self.overlapping and not self.accumulate_only:
-                self._counted[index] = 1
-                self._counts[bucket_index] += 1
 
     def takes_part(self, bucket_index: int) -> bool:
         """Whether the bucket has a param that requires grad (as of the last scan)."""

@@ -104,6 +104,11 @@ class ShardingStage1(torch.optim.Optimizer):
             for bucket in self.plan.buckets
         ]
         self._comm = BucketCommunicator(self._buffers, group, rank, world_size, config.enable, precisions)
+        if optimizer.state:
+            # The class creates state at construction (Adagrad): it exists for every param, frozen
+            # or not, so every bucket needs its pieces now, as the plain optimizer has them.
+            for bucket in self.plan.buckets:
+                self._comm.materialize(bucket.index)
         self._inner = build_inner_optimizer(optimizer, self._comm.live_shards())
         # Forward order is registration order (buckets are laid out in reverse), see
         # Note [No stale params].
