@@ -17,6 +17,19 @@ Note [Which params got a grad]
     adopted (its bucket then waits for the end of backward). A frozen param is simply no longer
     expected.
 
+Note [Grads written after backward]
+    ``param.grad`` holds this rank's local grad, and in overlap mode a bucket's reduction reads
+    it while backward is still running. A write to grads after backward reached them (torch's
+    ``clip_grad_norm_`` clipping each rank by its *local* norm, the stock ``GradScaler.unscale_``
+    checking each rank's local grads, ``p.grad.mul_()``) would race with the reduction in overlap
+    mode, be lost after ``opt.clip_grad_norm_`` or ``ShardedGradScaler.unscale_`` reduced the
+    grads, or clip ranks differently in sync mode. So every hook records its bucket's grad
+    buffer version (views share their base's version counter) after accumulating, and the
+    wrapper refuses to reduce or step grads whose buffer version has moved since, naming the
+    sharded replacements. The wrapper's own writes (adopting a grad, zeroing) record the version
+    again; assigning ``param.grad = g`` replaces the tensor rather than writing the buffer and
+    is adopted as usual.
+
 Note [Launching reductions during backward]
     In overlap mode the hook also counts the grads that landed in each bucket. When a bucket's
     count reaches its number of params that require grad, it is ready. Collectives must be
@@ -100,6 +113,7 @@ class GradReadyTracker:
         self._scanned = False
         self._callback_queued = False
         self._flushed_at_end = False
+        self._grad_versions: list[int | None] = [None] * len(self._buckets)
 
     def clear_received(self) -> None:
         """Grads were set to none: no param has one now."""
@@ -155,6 +169,7 @@ class GradReadyTracker:
     def _on_grad_accumulated(self, param_index: int, bucket_index: int, param: Tensor) -> None:
         self._buffers.adopt_grad(param_index)
         self.received[param_index] = 1
+        self._grad_versions[bucket_index] = self._buffers.grad_buffers[bucket_index]._version
         if not self._scanned:
             self.scan()
         if self._start_grad_sync is None or self.accumulate_only:
@@ -205,6 +220,22 @@ class GradReadyTracker:
                 self._adopt_uncounted(bucket_index)
             self._launch(bucket_index)
 
+    def accept_grad_writes(self) -> None:
+        """The wrapper itself wrote the grad buffers (an in-place reduction, clipping or unscaling
+        of grads that are the buffers): their current versions are the expected ones."""
+        for bucket_index, version in enumerate(self._grad_versions):
+            if version is not None:
+                self._grad_versions[bucket_index] = self._buffers.grad_buffers[bucket_index]._version
+
+    def grads_written_since_backward(self) -> list[int]:
+        """Buckets whose grad buffer was written after backward last accumulated into it, see
+        Note [Grads written after backward]."""
+        written = []
+        for bucket_index, version in enumerate(self._grad_versions):
+            if version is not None and self._buffers.grad_buffers[bucket_index]._version != version:
+                written.append(bucket_index)
+        return written
+
     def _adopt_uncounted(self, bucket_index: int) -> None:
         params = self._buffers.params
         for slot in self._buckets[bucket_index].slots:
@@ -214,7 +245,8 @@ class GradReadyTracker:
             grad = params[index].grad
             if grad is None:
                 self.received[index] = 0
-            self._buffers.adopt_grad(index)
+            if self._buffers.adopt_grad(index):
+                self._grad_versions[bucket_index] = self._buffers.grad_buffers[bucket_index]._version
             if grad is not None and grad is not self._buffers.grad_views[index]:
                 self.received[index] = 1
 

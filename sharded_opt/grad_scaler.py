@@ -9,6 +9,11 @@ Note [Loss scaling with sharded grads]
     unscales and checks the averaged shard grads the optimizer will step, and takes the maximum
     of the inf flag over the process group (one all-reduce of a scalar), so every rank skips the
     same steps and keeps the same scale. For any other optimizer it is the stock scaler.
+
+    The wrapper declares torch's ``_step_supports_amp_scaling``, so ``GradScaler.step`` hands it
+    ``grad_scale`` and ``found_inf`` instead of skipping ``step()`` itself. With this scaler the
+    flag is the agreed one and the wrapper skips or unscales accordingly; with the stock scaler
+    the flag is one rank's own, so the wrapper refuses the step with an error naming this class.
 """
 
 from __future__ import annotations
@@ -24,12 +29,16 @@ class ShardedGradScaler(torch.amp.GradScaler):
     with a :class:`ShardingStage1`; see Note [Loss scaling with sharded grads]."""
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
-        """As ``GradScaler.step``; a step skipped for an inf also ends the wrapper's iteration,
-        so the next backward starts clean whichever way grads are zeroed."""
-        result = super().step(optimizer, *args, **kwargs)
-        if isinstance(optimizer, ShardingStage1) and optimizer._grads_reduced:
-            optimizer._start_iteration()  # the step was skipped: its grads are discarded
-        return result
+        """As ``GradScaler.step``. With a :class:`ShardingStage1`, the wrapper's step receives
+        the agreed inf flag and the scale (torch's ``_step_supports_amp_scaling`` protocol),
+        unscales the reduced grads itself and skips the step on every rank alike."""
+        if not isinstance(optimizer, ShardingStage1):
+            return super().step(optimizer, *args, **kwargs)
+        optimizer._scaled_by_sharded_scaler = True
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        finally:
+            optimizer._scaled_by_sharded_scaler = False
 
     def _unscale_grads_(
         self,
@@ -42,6 +51,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         optimizer._reduce_grads()
         per_device = super()._unscale_grads_(optimizer._inner, inv_scale, found_inf, allow_fp16)
+        optimizer._grad_tracker.accept_grad_writes()
         for device_found_inf in per_device.values():
             dist.all_reduce(device_found_inf, op=dist.ReduceOp.MAX, group=optimizer.process_group)
         return per_device

@@ -69,6 +69,9 @@ class ShardingStage1(torch.optim.Optimizer):
     (not averaged) grad; the averaged grad of the local shard is what the optimizer steps.
     """
 
+    _step_supports_amp_scaling = True
+    """torch's protocol: ``GradScaler.step`` passes ``found_inf``/``grad_scale`` to ``step()``."""
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -120,6 +123,7 @@ class ShardingStage1(torch.optim.Optimizer):
             self._start_presence_sync if self.overlap else None,
         )
         self._presence: tuple[torch.Tensor, Any] | None = None
+        self._local_presence = bytearray(len(params))
         self._param_waiter: ParamReadyWaiter | None = None
         self._grads_reduced = False
         self._num_params_per_group = [len(g["params"]) for g in optimizer.param_groups]
@@ -152,8 +156,15 @@ class ShardingStage1(torch.optim.Optimizer):
                 loss = closure()
         self._check_params_in_buffers()
         self._check_param_groups_unchanged()
+        found_inf, grad_scale = self._amp_scaling_arguments()
         self._comm.finish_param_sync()
         self._reduce_grads()
+        if found_inf is not None and float(found_inf) > 0:
+            self._start_iteration()  # the scaler saw an inf on some rank: every rank skips
+            return loss
+        if grad_scale is not None:
+            inverse = grad_scale.double().reciprocal().float()
+            torch._foreach_mul_(self._comm.local_grads(), inverse)
         stepped = self._step_inner(kwargs)
         self._comm.start_param_sync(b for b in self._gather_order if b in stepped)
         if self._param_waiter is None:
@@ -218,6 +229,7 @@ class ShardingStage1(torch.optim.Optimizer):
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:
             grad.mul_(coefficient.to(grad.dtype))
+        self._grad_tracker.accept_grad_writes()
         return total
 
     @contextlib.contextmanager
@@ -352,6 +364,21 @@ class ShardingStage1(torch.optim.Optimizer):
                 "in place instead (`with torch.no_grad(): param.copy_(new)`)"
             )
 
+    def _amp_scaling_arguments(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``found_inf`` and ``grad_scale`` set by a ``GradScaler`` driving this step, see Note
+        [Loss scaling with sharded grads] in ``grad_scaler``."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return None, None
+        if not getattr(self, "_scaled_by_sharded_scaler", False):
+            raise RuntimeError(
+                "ShardingStage1.step: driven by a stock torch.amp.GradScaler, which checks this rank's "
+                "local, unreduced grads for infs, so ranks would skip different steps and their "
+                "scales drift apart. Use sharded_opt.ShardedGradScaler (same API) instead; call "
+                "opt.zero_grad() to discard these grads"
+            )
+        return found_inf, getattr(self, "grad_scale", None)
+
     def _check_param_groups_unchanged(self) -> None:
         counts = [len(g["params"]) for g in self.param_groups]
         if counts != self._num_params_per_group:
@@ -380,10 +407,25 @@ class ShardingStage1(torch.optim.Optimizer):
         if shard is not None and hasattr(self, "_inner"):
             add_shard(self._inner, shard)
 
+    def _check_grads_not_written(self) -> None:
+        """See Note [Grads written after backward] in ``grad_hooks``."""
+        written = self._grad_tracker.grads_written_since_backward()
+        if written:
+            raise RuntimeError(
+                f"ShardingStage1: grads of buckets {written[:8]} were modified in place after backward "
+                "(torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, p.grad.mul_(), ...). param.grad "
+                "holds this rank's local, unreduced grad (in overlap mode it is being reduced while "
+                "you write it), so the edit would be lost or differ per rank. Clip with "
+                "opt.clip_grad_norm_(max_norm), scale losses with sharded_opt.ShardedGradScaler, "
+                "and scale the loss instead of the grads. Call opt.zero_grad() to discard these grads"
+            )
+
     def _reduce_grads(self) -> None:
         if self._grads_reduced:
+            self._check_grads_not_written()
             return
         self._check_backward_finished()
+        self._check_grads_not_written()
         if self.overlap:
             if self._grad_tracker.accumulate_only:
                 raise RuntimeError(
@@ -399,12 +441,31 @@ class ShardingStage1(torch.optim.Optimizer):
                     self._comm.start_grad_sync(bucket.index)
             self._start_presence_sync()
         self._comm.finish_grad_sync()
+        self._grad_tracker.accept_grad_writes()
+        self._check_grads_not_dropped()
         self._grads_reduced = True
+
+    def _check_grads_not_dropped(self) -> None:
+        """In overlap mode which params have grads is shared when the last bucket is launched;
+        grads set to None after that (``model.zero_grad()`` between backward and ``step()``)
+        would be stepped anyway, so that is refused."""
+        if not self.overlap:
+            return
+        params = self._buffers.params
+        dropped = [i for i, flag in enumerate(self._local_presence) if flag and params[i].grad is None]
+        if dropped:
+            raise RuntimeError(
+                f"ShardingStage1(overlap=True): grads of params {dropped[:8]} (optimizer order) were set "
+                "to None after backward, when they were already being reduced. Zero grads before "
+                "backward (opt.zero_grad() or model.zero_grad()), not between backward and step()"
+            )
 
     def _start_presence_sync(self) -> None:
         """Share which params got a grad on this rank (a byte each, MAX over the group), see
         Note [Which params got a grad] in ``grad_hooks``."""
-        flags = torch.frombuffer(self._grad_tracker.grad_presence(), dtype=torch.uint8).clone()
+        local = self._grad_tracker.grad_presence()
+        self._local_presence = local
+        flags = torch.frombuffer(local, dtype=torch.uint8).clone()
         work = None
         if self.world_size > 1:
             flags = flags.to(self._flag_device)
