@@ -147,7 +147,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._sync_hyperparameters()
         self._inner.step()
         self._comm.start_param_sync(self._gather_order)
-        if self._param_waiter is None:
+        if self._param_waiter is None or self._param_waiter.forward_compiled:
             self._comm.finish_param_sync()
         else:
             self._param_waiter.gathers_started(self._comm.pending_param_buckets())

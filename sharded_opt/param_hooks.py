@@ -28,6 +28,15 @@ Note [Writes while params are gathered]
     shard, the all-gather itself) go through the flat buffer, whose views have a version counter
     of their own (``param.data`` was pointed at them), and forward never writes params, so only
     outside writes are seen.
+
+Note [torch.compile]
+    Waiting for a collective (``Work.wait()``) inside a compiled forward is a graph break in
+    every module that owns params, and an error with ``fullgraph=True``. So when Dynamo traces a
+    forward pre-hook (``torch.compiler.is_compiling()``), the hook records that the model runs
+    compiled and traces to nothing; from then on ``step()`` waits for its all-gathers before it
+    returns, as it does without a model. A compiled model thus loses the overlap of the
+    all-gather with the next forward (the reduce-scatter still overlaps backward: grad hooks run
+    in the eager autograd engine) but gets no graph break from the wrapper.
 """
 
 from __future__ import annotations
@@ -81,6 +90,7 @@ class ParamReadyWaiter:
         names = {id(param): name for name, param in model.named_parameters()}
         self._names = [names.get(id(param), f"param {index}") for index, param in enumerate(buffers.params)]
         self._gathered_versions: dict[int, tuple[int, ...]] = {}
+        self._compiled = _CompiledForward()
         self.handles: list[RemovableHandle] = []
         """The hooks this waiter installed; see Note [Hook lifetimes and copies]."""
         for module in model.modules():
@@ -89,9 +99,16 @@ class ParamReadyWaiter:
             )
             if buckets:
                 hook = WeakMethodHook(self._wait_for, buckets)
-                self.handles.append(module.register_forward_pre_hook(hook))
+                forward_hook = _ForwardWait(self._wait_for, buckets, self._compiled)
+                self.handles.append(module.register_forward_pre_hook(forward_hook))
                 self.handles.append(module.register_state_dict_pre_hook(hook))
                 self.handles.append(module.register_load_state_dict_pre_hook(hook))
+
+    @property
+    def forward_compiled(self) -> bool:
+        """The model's forward ran under ``torch.compile``: ``step()`` must wait for its
+        all-gathers itself, see Note [torch.compile]."""
+        return self._compiled.seen
 
     def gathers_started(self, bucket_indices: Iterable[int]) -> None:
         """Record the params' version counters as ``step()`` issues the buckets' all-gathers,
@@ -139,6 +156,31 @@ class ParamReadyWaiter:
         return tuple(
             params[slot.param_index]._version for slot in self._buffers.plan.buckets[bucket_index].slots
         )
+
+
+class _CompiledForward:
+    """Whether Dynamo traced one of the forward pre-hooks, see Note [torch.compile]."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+
+class _ForwardWait(WeakMethodHook):
+    """The forward pre-hook: waits in eager mode, traces to nothing under ``torch.compile``."""
+
+    __slots__ = ("_compiled",)
+
+    def __init__(
+        self, method: Callable[..., None], buckets: tuple[int, ...], compiled: _CompiledForward
+    ) -> None:
+        super().__init__(method, buckets)
+        self._compiled = compiled
+
+    def __call__(self, *hook_args: object) -> None:
+        if torch.compiler.is_compiling():
+            self._compiled.seen = True
+            return None
+        return super().__call__(*hook_args)
 
 
 class BufferBroadcaster:
