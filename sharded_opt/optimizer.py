@@ -121,7 +121,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._grads_reduced = False
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
         self._layout_frozen = True
-        self.broadcast_buffers = config.broadcast_buffers
+        self._broadcast_buffers = config.broadcast_buffers
         self._track_hooks()
         if model is not None:
             self.attach(model)
@@ -135,11 +135,11 @@ class ShardingStage1(torch.optim.Optimizer):
 
         Returns the closure's result (the loss), like ``torch.optim`` optimizers.
         """
+        self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_open()
         self._check_params_in_buffers()
         self.sync_params()
         self._comm.refresh_stale_masters()
@@ -260,7 +260,7 @@ class ShardingStage1(torch.optim.Optimizer):
             raise ValueError("ShardingStage1.attach: a model is already attached to this optimizer")
         waiter = ParamReadyWaiter(model, self._buffers, self._comm.finish_param_sync)
         self._broadcast_model_state(model)
-        if self.broadcast_buffers and self.world_size > 1 and next(model.buffers(), None) is not None:
+        if self._broadcast_buffers and self.world_size > 1 and next(model.buffers(), None) is not None:
             self._buffer_broadcaster = BufferBroadcaster(model, self.process_group, self._first_rank())
             self._hook_handles += self._buffer_broadcaster.handles
         if self.overlap:
@@ -270,7 +270,7 @@ class ShardingStage1(torch.optim.Optimizer):
             waiter.remove_hooks()
 
     def close(self) -> None:
-        """Wait for communication in flight and remove every hook this wrapper installed.
+        """Wait for the all-gathers in flight and remove every hook this wrapper installed.
 
         The model and the wrapped torch optimizer are then as if never wrapped (the params stay
         views of the flat buffers, with their current values): a new ``ShardingStage1`` can be
