@@ -73,3 +73,19 @@ def all_gather(output: Tensor, input: Tensor, group: ProcessGroup, async_op: boo
     """Concatenate every rank's ``input`` into ``output``; ``input`` may be a view of ``output``
     at this rank's slice (an in-place all-gather, as FSDP2 uses)."""
     return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def broadcast_coalesced(tensors: list[Tensor], group: ProcessGroup, src: int) -> None:
+    """Copy ``tensors`` from global rank ``src`` to every rank of the group in place, with one
+    broadcast per dtype and device (a model's buffers are many small tensors)."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    with torch.no_grad():
+        for same_kind in by_kind.values():
+            flat = torch.cat([tensor.detach().reshape(-1) for tensor in same_kind])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for tensor in same_kind:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()

@@ -46,11 +46,23 @@ Note [Launching reductions during backward]
 
     The hook body is kept tiny (a flag, a counter and an identity check) because it runs once
     per param per backward; all real work happens once per bucket.
+
+Note [End of backward under reentrant checkpointing]
+    ``queue_callback`` queues on the backward that is running when it is called. With
+    ``torch.utils.checkpoint(..., use_reentrant=True)`` a checkpointed segment's grads are
+    computed by a nested backward inside the outer one, so a callback queued by a grad of that
+    segment runs when the segment's backward ends, long before the outer backward does;
+    flushing there would launch every bucket and the outer backward's later grads would look
+    like a second backward. While a nested backward ends, autograd still reports the outer
+    backward's node (the checkpoint's backward) as the one executing
+    (``torch._C._current_autograd_node()``; None at the end of the outermost backward). So at
+    the end of a nested backward the callback hooks that node instead, and the hook, which runs
+    in the enclosing backward once the node is done, queues the callback again there. Nesting
+    of any depth unwinds one level at a time, and the flush happens once, at the very end.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -58,6 +70,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from fusion.buffers import FlatBuffers
+from sharded_opt.weak_hooks import WeakMethodHook, remove_handles
 
 
 class GradReadyTracker:
@@ -96,7 +109,12 @@ class GradReadyTracker:
         self._expected = [0] * len(self._buckets)
         self.accumulate_only = False
         """True inside ``no_sync()``: grads accumulate in the buffers and nothing is launched."""
-        self._handles: list[RemovableHandle] = []
+        # Where each param's data lives while this tracker owns it; a param that moved on (into
+        # another wrapper's buffers) is no longer this tracker's business.
+        self._data_ptrs = [None if view is None else view.data_ptr() for view in buffers.param_views]
+        self.handles: list[RemovableHandle] = []
+        """The hooks this tracker installed; see Note [Hook lifetimes and copies]."""
+        self._iteration = 0
         self.scan()
         self.reset()
 
@@ -113,6 +131,7 @@ class GradReadyTracker:
         self._scanned = False
         self._callback_queued = False
         self._flushed_at_end = False
+        self._iteration += 1
         self._grad_versions: list[int | None] = [None] * len(self._buckets)
 
     def clear_received(self) -> None:
@@ -142,8 +161,8 @@ class GradReadyTracker:
     def _hook(self, index: int, bucket_index: int, param: Tensor) -> None:
         arrived_before_hook = param.grad is not None and param.grad is not self._buffers.grad_views[index]
         self._materialize(bucket_index)
-        hook = functools.partial(self._on_grad_accumulated, index, bucket_index)
-        self._handles.append(param.register_post_accumulate_grad_hook(hook))
+        hook = WeakMethodHook(self._on_grad_accumulated, index, bucket_index)
+        self.handles.append(param.register_post_accumulate_grad_hook(hook))
         self._hooked[index] = 1
         if arrived_before_hook:
             # Not counted: the grad may be from this backward or older; if this backward still
@@ -157,16 +176,28 @@ class GradReadyTracker:
         return self._expected[bucket_index] > 0
 
     def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        remove_handles(self.handles)
         self._hooked = bytearray(len(self._buffers.params))
 
     def _flush_at_end_of_backward(self) -> None:
+        enclosing = torch._C._current_autograd_node()
+        if enclosing is not None:
+            # See Note [End of backward under reentrant checkpointing].
+            enclosing.register_hook(WeakMethodHook(self._requeue_in_enclosing_backward, self._iteration))
+            return
         self._flushed_at_end = True
         self.flush()
 
+    def _requeue_in_enclosing_backward(
+        self, iteration: int, grad_inputs: object, grad_outputs: object
+    ) -> None:
+        # A retained graph runs this node hook again in later backwards; only the first counts.
+        if iteration == self._iteration and not self._flushed_at_end:
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush_at_end_of_backward)
+
     def _on_grad_accumulated(self, param_index: int, bucket_index: int, param: Tensor) -> None:
+        if param.data_ptr() != self._data_ptrs[param_index]:
+            return
         self._buffers.adopt_grad(param_index)
         self.received[param_index] = 1
         self._grad_versions[bucket_index] = self._buffers.grad_buffers[bucket_index]._version

@@ -6,22 +6,26 @@ import contextlib
 import dataclasses
 import functools
 import math
+import weakref
 from collections.abc import Callable, Iterator
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
 
 from fusion.buffers import FlatBuffers
 from fusion.layout import LayoutPlan, plan_layout
+from sharded_opt import collectives
 from sharded_opt import state_dict as state_dict_conversion
 from sharded_opt.bucket_comm import BucketCommunicator
 from sharded_opt.grad_hooks import GradReadyTracker
 from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, hyperparameters
 from sharded_opt.local_shard import resolve_precision
-from sharded_opt.param_hooks import ParamReadyWaiter
+from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter
 from sharded_opt.strategy import Strategy
 from sharded_opt.validation import (
     check_optimizer,
@@ -29,6 +33,7 @@ from sharded_opt.validation import (
     collect_params,
     resolve_process_group,
 )
+from sharded_opt.weak_hooks import remove_handles
 
 
 class ShardingStage1(torch.optim.Optimizer):
@@ -134,11 +139,11 @@ class ShardingStage1(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self._wrapped = optimizer
         self._layout_frozen = True
+        self._broadcast_buffers = config.broadcast_buffers
+        self._track_hooks()
         if model is not None:
             self.attach(model)
-        optimizer._sharded_opt_wrapper = self
-        optimizer.register_step_pre_hook(_refuse_wrapped_step)
-        optimizer.add_param_group = functools.partial(_refuse_wrapped_add_param_group, type(optimizer))
+        self._mark_wrapped(optimizer)
 
     # -- training loop ---------------------------------------------------------------------
 
@@ -150,6 +155,7 @@ class ShardingStage1(torch.optim.Optimizer):
         and state are left exactly as they are. Keyword arguments are passed to the wrapped
         optimizer's ``step``. Returns the closure's result (the loss).
         """
+        self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -157,7 +163,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._check_params_in_buffers()
         self._check_param_groups_unchanged()
         found_inf, grad_scale = self._amp_scaling_arguments()
-        self._comm.finish_param_sync()
+        self.sync_params()
         self._reduce_grads()
         if found_inf is not None and float(found_inf) > 0:
             self._start_iteration()  # the scaler saw an inf on some rank: every rank skips
@@ -167,8 +173,10 @@ class ShardingStage1(torch.optim.Optimizer):
             torch._foreach_mul_(self._comm.local_grads(), inverse)
         stepped = self._step_inner(kwargs)
         self._comm.start_param_sync(b for b in self._gather_order if b in stepped)
-        if self._param_waiter is None:
+        if self._param_waiter is None or self._param_waiter.forward_compiled:
             self._comm.finish_param_sync()
+        else:
+            self._param_waiter.gathers_started(self._comm.pending_param_buckets())
         self._start_iteration()
         # A scheduler built on the wrapped optimizer checks that its step ran before its own.
         self._wrapped._opt_called = True
@@ -238,29 +246,47 @@ class ShardingStage1(torch.optim.Optimizer):
 
         As with DDP: run every micro-batch's backward but the last inside ``no_sync()``; the
         last backward (outside) then reduces the summed grads. In sync mode communication only
-        happens in ``step()`` anyway, so the block changes nothing there.
+        happens in ``step()`` anyway, so the block changes nothing there. Blocks nest: leaving
+        an inner block restores the state of the outer one, as DDP's does.
         """
         if not self.overlap:
             yield
             return
+        previous = self._grad_tracker.accumulate_only
         self._grad_tracker.accumulate_only = True
         try:
             yield
         finally:
-            self._grad_tracker.accumulate_only = False
+            self._grad_tracker.accumulate_only = previous
 
     def sync_params(self) -> None:
         """Wait until every param holds its updated value (a no-op unless overlap with a model
-        attached left all-gathers running); call before reading params outside forward."""
-        self._comm.finish_param_sync()
+        attached left all-gathers running); call before reading or writing params outside
+        forward.
+
+        Raises:
+            RuntimeError: a param was written (``param.copy_``...) while it was still being
+                all-gathered, see Note [Writes while params are gathered].
+        """
+        if self._param_waiter is None:
+            self._comm.finish_param_sync()
+        else:
+            self._param_waiter.finish()
 
     def attach(self, model: nn.Module) -> None:
-        """Let ``model``'s forward wait per module for its own params' all-gathers.
+        """Make ``model`` start equal on every rank and let its forward wait per module for its
+        own params' all-gathers.
+
+        As DDP's constructor does, every param of ``model`` (frozen ones included) and every
+        buffer is broadcast from the group's first rank (collective). With
+        ``Strategy().sharding.broadcast_buffers`` (the default, like DDP's), buffers are
+        broadcast again before each forward with grad enabled.
 
         Without an attached model, ``step()`` waits for all all-gathers before it returns. With
         one (in overlap mode), ``step()`` returns at once and each module's forward pre-hook
         waits only for the buckets that hold its own params, so later layers' all-gathers
-        overlap earlier layers' forward. See Note [No stale params] for the contract.
+        overlap earlier layers' forward; ``model.state_dict()`` and ``model.load_state_dict()``
+        wait too. See Note [No stale params] for the contract.
 
         Raises:
             ValueError: ``model`` does not own all the optimizer's trainable params, or a model
@@ -269,10 +295,45 @@ class ShardingStage1(torch.optim.Optimizer):
         if self._param_waiter is not None:
             raise ValueError("ShardingStage1.attach: a model is already attached to this optimizer")
         waiter = ParamReadyWaiter(model, self._buffers, self._comm.finish_param_sync)
+        self._broadcast_model_state(model)
+        if self._broadcast_buffers and self.world_size > 1 and next(model.buffers(), None) is not None:
+            self._buffer_broadcaster = BufferBroadcaster(model, self.process_group, self._first_rank())
+            self._hook_handles += self._buffer_broadcaster.handles
         if self.overlap:
             self._param_waiter = waiter
+            self._hook_handles += waiter.handles
         else:
             waiter.remove_hooks()
+
+    def close(self) -> None:
+        """Wait for the all-gathers in flight and remove every hook this wrapper installed.
+
+        The model and the wrapped torch optimizer are then as if never wrapped (the params stay
+        views of the flat buffers, with their current values): a new ``ShardingStage1`` can be
+        built over the same params, or over the same torch optimizer, which may also step on
+        its own again. ``step()`` of a closed wrapper raises. A wrapper that is dropped without
+        ``close()`` loses its hooks when it is garbage collected (see Note [Hook lifetimes and
+        copies]), but its torch optimizer keeps refusing ``step()``; ``with ShardingStage1(...)
+        as opt:`` closes at the end of the block. Calling it again does nothing.
+        """
+        self._closed = True
+        self._release()
+        self._step_refusal.remove()
+        original = self._wrapped_optimizer()
+        if original is not None:
+            original._sharded_opt_wrapper = None
+            original.__dict__.pop("add_param_group", None)
+
+    def __enter__(self) -> ShardingStage1:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     # -- introspection -----------------------------------------------------------------------
 
@@ -354,6 +415,48 @@ class ShardingStage1(torch.optim.Optimizer):
         source = dist.get_global_rank(self.process_group, 0)
         for buffer in self._buffers.param_buffers:
             dist.broadcast(buffer, src=source, group=self.process_group)
+
+    def _first_rank(self) -> int:
+        return dist.get_global_rank(self.process_group, 0)
+
+    def _broadcast_model_state(self, model: nn.Module) -> None:
+        """Broadcast what the flat buffers did not cover: frozen params, params the optimizer
+        does not hold, and buffers."""
+        if self.world_size == 1:
+            return
+        laid_out = {id(self._buffers.params[index]) for index in self._buffers.laid_out_indices}
+        tensors = [p for p in model.parameters() if id(p) not in laid_out] + list(model.buffers())
+        if tensors:
+            collectives.broadcast_coalesced(tensors, self.process_group, self._first_rank())
+
+    def _track_hooks(self) -> None:
+        """Arrange for every hook to be removed by ``close()`` or when this wrapper is
+        collected, see Note [Hook lifetimes and copies]."""
+        self._closed = False
+        self._hook_handles: list[RemovableHandle] = []
+        self._wrapped_optimizer: weakref.ref[torch.optim.Optimizer] = lambda: None
+        # The tracker's list, not a copy: it grows when params are unfrozen later.
+        self._release = weakref.finalize(
+            self, _release_hooks, self._comm, self._hook_handles, self._grad_tracker.handles
+        )
+        # At interpreter exit the process group may be gone; there is nothing to wait for then.
+        self._release.atexit = False
+
+    def _mark_wrapped(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer`` refuse to be wrapped again while this wrapper lives, and to step
+        until ``close()`` (stepping it is a mistake even after the wrapper was dropped: ranks
+        would diverge)."""
+        optimizer._sharded_opt_wrapper = weakref.ref(self)
+        self._step_refusal = optimizer.register_step_pre_hook(_refuse_wrapped_step)
+        optimizer.add_param_group = functools.partial(_refuse_wrapped_add_param_group, type(optimizer))
+        self._wrapped_optimizer = weakref.ref(optimizer)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "ShardingStage1.step: this optimizer was closed (close() or the end of its `with` "
+                "block) and its hooks are gone; build a new ShardingStage1 to keep training"
+            )
 
     def _check_params_in_buffers(self) -> None:
         moved = self._buffers.detached_params()
@@ -536,6 +639,14 @@ def _check_not_stepped(optimizer: torch.optim.Optimizer) -> None:
             f"ShardingStage1 expects an optimizer that has not stepped yet but it holds state for "
             f"{len(stepped)} params, which would be lost; wrap the optimizer before training"
         )
+
+
+def _release_hooks(comm: BucketCommunicator, *handle_lists: list[RemovableHandle]) -> None:
+    """Finish the all-gathers still writing the params (a new wrapper may copy them next), then
+    remove every hook."""
+    comm.finish_param_sync()
+    for handles in handle_lists:
+        remove_handles(handles)
 
 
 def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

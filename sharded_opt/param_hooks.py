@@ -1,4 +1,6 @@
-"""Per-module waits for the all-gathered params, so the next forward overlaps the all-gather.
+"""Hooks on the attached model: per-module waits for the all-gathered params (so the next
+forward overlaps the all-gather), the same waits before ``state_dict``/``load_state_dict``,
+detection of writes into params that are still being gathered, and DDP's buffer broadcast.
 
 Note [No stale params]
     After ``step()`` in overlap mode with a model attached, the updated params are still being
@@ -7,28 +9,58 @@ Note [No stale params]
     module can never run on last step's weights even if its params were registered in a
     different order than forward uses them (the cause of stale weights in Megatron-LM #950). The
     all-gathers themselves are issued in one fixed order on every rank (registration order), as
-    collectives must be.
+    collectives must be. ``module.state_dict()`` and ``module.load_state_dict()`` wait the same
+    way (a pre-hook on the same modules), so saving reads and loading writes final params.
 
     The contract: a module's own params are current when its forward starts. Code that reads
     params outside the forward of the module that owns them (evaluation code reading weights,
-    a parent module reaching into a child's weight, checkpointing) must call
-    ``ShardingStage1.sync_params()`` first; ``step()``, ``state_dict()`` and the wrapper's other
-    entry points do so themselves.
+    a parent module reaching into a child's weight, ``AveragedModel.update_parameters``) must
+    call ``ShardingStage1.sync_params()`` first; ``step()``, ``state_dict()`` and the wrapper's
+    other entry points do so themselves.
+
+Note [Writes while params are gathered]
+    A write into a param while its all-gather is running (``param.copy_(best)`` right after
+    ``step()``) is partly overwritten when the gathered values land: a silent mix of old and
+    new weights. Writes cannot be intercepted, but they can be seen afterwards: each param has
+    an autograd version counter that every in-place write through it bumps. The counters are
+    recorded when ``step()`` issues the all-gathers and compared when a bucket's all-gather is
+    finished; a moved counter raises. The wrapper's own writes (the optimizer step on the local
+    shard, the all-gather itself) go through the flat buffer, whose views have a version counter
+    of their own (``param.data`` was pointed at them), and forward never writes params, so only
+    outside writes are seen.
+
+Note [torch.compile]
+    Waiting for a collective (``Work.wait()``) inside a compiled forward is a graph break in
+    every module that owns params, and an error with ``fullgraph=True``. So when Dynamo traces a
+    forward pre-hook (``torch.compiler.is_compiling()``), the hook records that the model runs
+    compiled and traces to nothing; from then on ``step()`` waits for its all-gathers before it
+    returns, as it does without a model. A compiled model thus loses the overlap of the
+    all-gather with the next forward (the reduce-scatter still overlaps backward: grad hooks run
+    in the eager autograd engine) but gets no graph break from the wrapper.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 
+import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from fusion.buffers import FlatBuffers
+from sharded_opt import collectives
+from sharded_opt.weak_hooks import WeakMethodHook, remove_handles
 
 
 class ParamReadyWaiter:
-    """Forward pre-hooks on ``model``'s modules that wait for their params' buckets.
+    """Hooks on ``model``'s modules that wait for their params' buckets (forward, state_dict,
+    load_state_dict), and the check for writes during the all-gather.
+
+    Args:
+        model: the module that owns the optimizer's trainable params.
+        buffers: the flat buffers holding the params.
+        finish_param_sync: waits for the pending all-gathers of the given buckets (all if None).
 
     Raises:
         ValueError: ``model`` does not own every param the optimizer trains.
@@ -38,7 +70,7 @@ class ParamReadyWaiter:
         self,
         model: nn.Module,
         buffers: FlatBuffers,
-        finish_param_sync: Callable[[Iterable[int]], None],
+        finish_param_sync: Callable[[Iterable[int] | None], None],
     ) -> None:
         bucket_of = {
             id(buffers.params[slot.param_index]): slot.bucket_index
@@ -53,25 +85,122 @@ class ParamReadyWaiter:
                 f"{len(missing)} param(s) (optimizer indices {missing[:8]}) are not in "
                 f"{type(model).__name__}.parameters(); attach the model the optimizer was built from"
             )
-        self._handles: list[RemovableHandle] = []
+        self._buffers = buffers
+        self._finish_param_sync = finish_param_sync
+        names = {id(param): name for name, param in model.named_parameters()}
+        self._names = [names.get(id(param), f"param {index}") for index, param in enumerate(buffers.params)]
+        self._gathered_versions: dict[int, tuple[int, ...]] = {}
+        self._compiled = _CompiledForward()
+        self.handles: list[RemovableHandle] = []
+        """The hooks this waiter installed; see Note [Hook lifetimes and copies]."""
         for module in model.modules():
-            buckets = sorted(
-                {bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of}
+            buckets = tuple(
+                sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of})
             )
             if buckets:
-                hook = functools.partial(_wait_for_buckets, finish_param_sync, tuple(buckets))
-                self._handles.append(module.register_forward_pre_hook(hook))
+                hook = WeakMethodHook(self._wait_for, buckets)
+                forward_hook = _ForwardWait(self._wait_for, buckets, self._compiled)
+                self.handles.append(module.register_forward_pre_hook(forward_hook))
+                self.handles.append(module.register_state_dict_pre_hook(hook))
+                self.handles.append(module.register_load_state_dict_pre_hook(hook))
+
+    @property
+    def forward_compiled(self) -> bool:
+        """The model's forward ran under ``torch.compile``: ``step()`` must wait for its
+        all-gathers itself, see Note [torch.compile]."""
+        return self._compiled.seen
+
+    def gathers_started(self, bucket_indices: Iterable[int]) -> None:
+        """Record the params' version counters as ``step()`` issues the buckets' all-gathers,
+        see Note [Writes while params are gathered]."""
+        for index in bucket_indices:
+            self._gathered_versions[index] = self._versions(index)
+
+    def finish(self, bucket_indices: Iterable[int] | None = None) -> None:
+        """Wait for the all-gathers of ``bucket_indices`` (default: all).
+
+        Raises:
+            RuntimeError: a param of these buckets was written while it was being gathered.
+        """
+        self._finish_param_sync(bucket_indices)
+        if bucket_indices is None:
+            bucket_indices = list(self._gathered_versions)
+        written: list[int] = []
+        for index in bucket_indices:
+            before = self._gathered_versions.pop(index, None)
+            if before is not None and before != self._versions(index):
+                slots = self._buffers.plan.buckets[index].slots
+                written += [
+                    s.param_index
+                    for s, old, new in zip(slots, before, self._versions(index), strict=True)
+                    if old != new
+                ]
+        if written:
+            names = [self._names[index] for index in sorted(written)]
+            raise RuntimeError(
+                f"ShardingStage1(overlap=True, model=...): {names[:8]} were written while step()'s "
+                "all-gather of their updated values was still running, so the write was partly "
+                "overwritten. After opt.step(), call opt.sync_params() before writing params outside "
+                "forward (param.copy_, torch.nn.init, an EMA copy-back); model.load_state_dict() "
+                "waits by itself"
+            )
 
     def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        remove_handles(self.handles)
+
+    def _wait_for(self, buckets: tuple[int, ...], module: nn.Module, *hook_args: object) -> None:
+        self.finish(buckets)
+
+    def _versions(self, bucket_index: int) -> tuple[int, ...]:
+        params = self._buffers.params
+        return tuple(
+            params[slot.param_index]._version for slot in self._buffers.plan.buckets[bucket_index].slots
+        )
 
 
-def _wait_for_buckets(
-    finish_param_sync: Callable[[Iterable[int]], None],
-    buckets: tuple[int, ...],
-    module: nn.Module,
-    args: tuple,
-) -> None:
-    finish_param_sync(buckets)
+class _CompiledForward:
+    """Whether Dynamo traced one of the forward pre-hooks, see Note [torch.compile]."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+
+class _ForwardWait(WeakMethodHook):
+    """The forward pre-hook: waits in eager mode, traces to nothing under ``torch.compile``."""
+
+    __slots__ = ("_compiled",)
+
+    def __init__(
+        self, method: Callable[..., None], buckets: tuple[int, ...], compiled: _CompiledForward
+    ) -> None:
+        super().__init__(method, buckets)
+        self._compiled = compiled
+
+    def __call__(self, *hook_args: object) -> None:
+        if torch.compiler.is_compiling():
+            self._compiled.seen = True
+            return None
+        return super().__call__(*hook_args)
+
+
+class BufferBroadcaster:
+    """DDP's ``broadcast_buffers``: a forward pre-hook on the root module that copies every
+    buffer from the group's first rank before each forward with grad enabled.
+
+    Forwards under ``torch.no_grad()`` / ``torch.inference_mode()`` (evaluation, possibly on one
+    rank only) skip it, so they issue no collective and cannot hang.
+    """
+
+    def __init__(self, model: nn.Module, group: ProcessGroup, source_rank: int) -> None:
+        self._group = group
+        self._source_rank = source_rank
+        self.handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(WeakMethodHook(self._broadcast))
+        ]
+
+    def remove_hooks(self) -> None:
+        remove_handles(self.handles)
+
+    def _broadcast(self, module: nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled():
+            collectives.broadcast_coalesced(list(module.buffers()), self._group, self._source_rank)

@@ -45,6 +45,12 @@ class ShardingConfig:
     """Dtype of the copy of the local shard that the optimizer steps, e.g. ``torch.float32``
     for bf16 params. None: step the params' own dtype, no copy."""
 
+    broadcast_buffers: bool = True
+    """DDP's option of the same name: with a model attached, copy every buffer (BatchNorm's
+    running statistics, ...) from the group's first rank before each forward with grad enabled,
+    so all ranks normalize alike. Costs one synchronous broadcast per forward of all buffers
+    (one per dtype); a model without buffers issues none. False leaves each rank its own."""
+
     def __setattr__(self, name: str, value: Any) -> None:
         _check_field(name, value)
         object.__setattr__(self, name, value)
@@ -68,7 +74,7 @@ class Strategy:
 
 
 def _check_field(name: str, value: Any) -> None:
-    if name in ("enable", "enable_overlap"):
+    if name in ("enable", "enable_overlap", "broadcast_buffers"):
         if not isinstance(value, bool):
             raise ValueError(
                 f"Strategy.sharding.{name} expects a bool but got {value!r} ({type(value).__name__})"

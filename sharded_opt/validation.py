@@ -36,10 +36,12 @@ def check_optimizer(optimizer: object, assume_elementwise: bool) -> torch.optim.
             "ShardingStage1 expects a torch.optim.Optimizer instance, e.g. "
             f"ShardingStage1(torch.optim.AdamW(model.parameters())), but got {type(optimizer).__name__}"
         )
-    if getattr(optimizer, "_sharded_opt_wrapper", None) is not None:
+    wrapper = getattr(optimizer, "_sharded_opt_wrapper", None)  # a weakref, see ShardingStage1.close
+    if wrapper is not None and wrapper() is not None:
         raise ValueError(
             "ShardingStage1 was given an optimizer that is already wrapped by a ShardingStage1; "
-            "wrap each optimizer once and use the wrapper"
+            "wrap each optimizer once and use the wrapper, or call the first wrapper's close() "
+            "before wrapping it again"
         )
     if type(optimizer) not in ELEMENTWISE_OPTIMIZERS and not assume_elementwise:
         supported = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)

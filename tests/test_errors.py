@@ -57,8 +57,8 @@ def _empty_optimizer() -> None:
 
 def _wrapped_twice() -> None:
     inner = torch.optim.AdamW([_param(3)])
-    ShardingStage1(inner)
-    ShardingStage1(inner)
+    with ShardingStage1(inner):  # the first wrapper is alive (and not closed) here
+        ShardingStage1(inner)
 
 
 def _original_stepped_after_wrapping() -> None:
