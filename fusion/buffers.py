@@ -97,6 +97,16 @@ class FlatBuffers:
         param.grad = view
         return True
 
+    def conversion_of(self, param_index: int) -> str | None:
+        """How a param's dtype or device now differs from what it was laid out as (after
+        ``model.half()`` or ``model.to(device)``, which replace ``param.data``), or None."""
+        param, view = self.params[param_index], self.param_views[param_index]
+        if param.dtype != view.dtype:
+            return f"is now {param.dtype} but was laid out as {view.dtype}"
+        if param.device != view.device:
+            return f"is now on {param.device} but was laid out on {view.device}"
+        return None
+
     def detached_params(self) -> list[int]:
         """Indices of params whose ``.data`` no longer lives in the flat buffer."""
         return [

@@ -40,6 +40,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fusion.layout import ParamSlot, ShardPiece
+from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.state_dict import expected_state_keys, local_pieces
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
         FileExistsError: ``path`` exists and is not a checkpoint written by this function.
     """
     optimizer.sync_params()
+    _check_all_ranks_enter("save_checkpoint", optimizer)
     final = Path(path)
     _check_destination(final)
     staging = final.with_name(final.name + _PARTIAL_SUFFIX)
@@ -98,6 +100,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
             "save that was interrupted leaves only a '.partial' folder"
         )
     optimizer.sync_params()
+    _check_all_ranks_enter("load_checkpoint", optimizer)
     reader = dcp.FileSystemReader(folder)
     meta = {
         name: torch.zeros((), dtype=torch.int64)
@@ -135,6 +138,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
     optimizer._load_bucket_states(bucket_states)
     if any(master is not None for master in masters):
         optimizer._comm.load_master_copies(masters)
+
+
+def _check_all_ranks_enter(function: str, optimizer: ShardingStage1) -> None:
+    fix = f"Call {function}(path, model, opt) on every rank; each rank reads or writes its own shard"
+    check_all_ranks_enter(function, fix, optimizer.process_group, optimizer.collective_entry_timeout_s)
 
 
 def _model_entries(model: nn.Module) -> dict[str, Tensor]:
