@@ -1,9 +1,10 @@
 """Flat param and grad buffers that execute a :class:`~fusion.layout.LayoutPlan`.
 
-After construction every laid-out param's ``.data`` is a contiguous view into its bucket's flat
-param buffer and its ``.grad`` a view into the bucket's flat grad buffer, so a bucket's params
-or grads can be handed to one collective or one optimizer kernel as a single tensor. This module
-knows nothing of communication; it only owns memory and views.
+After construction every laid-out param's ``.data`` is a view into its bucket's flat param
+buffer (contiguous, or with the param's own strides, see Note [Memory format] in ``layout``)
+and its ``.grad`` a view of the same shape and strides into the bucket's flat grad buffer, so a
+bucket's params or grads can be handed to one collective or one optimizer kernel as a single
+tensor. This module knows nothing of communication; it only owns memory and views.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fusion.layout import BucketPlan, LayoutPlan
+from fusion.layout import BucketPlan, LayoutPlan, ParamSlot
 
 
 class FlatBuffers:
@@ -48,8 +49,8 @@ class FlatBuffers:
         for slot in bucket.slots:
             param = self.params[slot.param_index]
             end = slot.offset + slot.numel
-            param_view = param_buffer[slot.offset : end].view(slot.shape)
-            grad_view = grad_buffer[slot.offset : end].view(slot.shape)
+            param_view = view_slot(param_buffer[slot.offset : end], slot)
+            grad_view = view_slot(grad_buffer[slot.offset : end], slot)
             param_view.copy_(param.detach())
             if param.grad is not None:
                 grad_view.copy_(param.grad)
@@ -114,3 +115,21 @@ class FlatBuffers:
             for index in self.laid_out_indices
             if self.params[index].data_ptr() != self.param_views[index].data_ptr()
         ]
+
+
+def view_slot(flat: Tensor, slot: ParamSlot) -> Tensor:
+    """``flat`` (the ``slot.numel`` elements of one slot, 1-D and contiguous) as a tensor of the
+    param's shape and strides: a view, see Note [Memory format]."""
+    if slot.strides is None:
+        return flat.view(slot.shape)
+    return flat.as_strided(slot.shape, slot.strides)
+
+
+def flatten_to_slot(tensor: Tensor, slot: ParamSlot) -> Tensor:
+    """``tensor`` (of the param's shape) as 1-D, in the slot's memory order; the inverse of
+    :func:`view_slot`."""
+    if slot.strides is None:
+        return tensor.reshape(-1)
+    laid_out = torch.empty_strided(slot.shape, slot.strides, dtype=tensor.dtype, device=tensor.device)
+    laid_out.copy_(tensor)
+    return laid_out.as_strided((slot.numel,), (1,))

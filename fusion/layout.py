@@ -18,6 +18,18 @@ Note [Bucket order]
     backward produces their grads; bucket 0 is therefore the first one ready in backward. A param
     is never split across buckets, and a bucket holds one dtype, one device and one param group,
     so each bucket maps onto one flat tensor and one optimizer param group.
+
+Note [Memory format]
+    A param that is not contiguous but dense (channels_last conv weights, a transposed weight)
+    keeps its strides: its slot holds its elements in its own memory order, and its param and
+    grad views are strided views of the slot (``torch.as_strided``). Kernels then see the memory
+    format the user chose, and autograd's grads, which follow the param's strides, accumulate
+    in place. Everything that treats a slot as flat data (collectives, the optimizer, shard
+    pieces) works on memory order, which is the same on every rank (the strides are part of
+    the check that all ranks hold the same params); a slot's state becomes a tensor of the
+    param's shape with the param's strides (``fusion.buffers.view_slot``), and a tensor is cut
+    into a slot in memory order (``fusion.buffers.flatten_to_slot``). A param that is not dense
+    (a slice with gaps) cannot be viewed that way and is laid out contiguous.
 """
 
 from __future__ import annotations
@@ -39,6 +51,9 @@ class ParamSpec:
     dtype: torch.dtype
     device: torch.device
     group_index: int
+    strides: tuple[int, ...] | None = None
+    """Strides the param keeps in its bucket (channels_last, ...), see Note [Memory format];
+    None: contiguous."""
 
     @property
     def numel(self) -> int:
@@ -46,7 +61,30 @@ class ParamSpec:
 
     @classmethod
     def of(cls, param: torch.Tensor, group_index: int) -> ParamSpec:
-        return cls(tuple(param.shape), param.dtype, param.device, group_index)
+        return cls(tuple(param.shape), param.dtype, param.device, group_index, kept_strides(param))
+
+
+def kept_strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The tensor's strides if they are not the contiguous ones and its view in a bucket can keep
+    them (dense and non-overlapping: its elements fill ``numel`` consecutive slots in some
+    dimension order), else None. See Note [Memory format]."""
+    strides = tuple(tensor.stride())
+    if strides == _contiguous_strides(tuple(tensor.shape)) or tensor.numel() == 0:
+        return None
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(strides, tensor.shape, strict=True) if n != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return strides
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +96,17 @@ class ParamSlot:
     offset: int
     numel: int
     shape: tuple[int, ...]
+    strides: tuple[int, ...] | None = None
+    """The param's strides inside its ``numel`` slots, see Note [Memory format]; None:
+    contiguous."""
 
 
 @dataclass(frozen=True, slots=True)
 class ShardPiece:
     """A contiguous run of one param that falls inside one rank's shard of a bucket.
 
-    ``param_start`` counts elements from the start of the flattened param, ``shard_start`` from
+    ``param_start`` counts elements from the start of the flattened param (in its memory order,
+    see Note [Memory format]), ``shard_start`` from
     the start of the rank's shard.
     """
 
@@ -200,7 +242,7 @@ def _build_bucket(
     cursor = 0
     for param_index, spec in members:
         offset = round_up(cursor, align)
-        slots.append(ParamSlot(param_index, bucket_index, offset, spec.numel, spec.shape))
+        slots.append(ParamSlot(param_index, bucket_index, offset, spec.numel, spec.shape, spec.strides))
         cursor = offset + spec.numel
     padded = round_up(max(cursor, 1), world_size * align)
     return BucketPlan(

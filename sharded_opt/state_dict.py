@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fusion.buffers import flatten_to_slot, view_slot
 from fusion.layout import BucketPlan, ShardPiece
 from sharded_opt.inner_optimizer import constructor_kwargs, indexed_groups, is_elementwise
 
@@ -65,7 +66,7 @@ def gather_state_dict(optimizer: ShardingStage1, to_rank: int | None) -> dict[st
                     full = _assemble(value, slot.numel, pieces.get(slot.param_index))
                     if communicate:
                         _sum_over_group(full, optimizer, to_rank)
-                    entry[key] = full.view(slot.shape)
+                    entry[key] = view_slot(full, slot)
                 else:
                     entry[key] = value.clone() if isinstance(value, Tensor) else value
             state[slot.param_index] = entry
@@ -215,7 +216,7 @@ def _bucket_state(
             entry = saved_state.get(slot.param_index)
             if piece is None or entry is None:
                 continue
-            flat = entry[key].reshape(-1)
+            flat = flatten_to_slot(entry[key], slot)
             local[piece.shard_start : piece.shard_start + piece.numel] = flat[
                 piece.param_start : piece.param_start + piece.numel
             ]

@@ -102,7 +102,10 @@ def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGr
 
 def check_same_layout(specs: list[ParamSpec | None], group: ProcessGroup, world_size: int) -> None:
     """Raise on every rank if any rank's params differ from rank 0's (collective)."""
-    signature = [None if spec is None else (spec.shape, str(spec.dtype), spec.group_index) for spec in specs]
+    signature = [
+        None if spec is None else (spec.shape, str(spec.dtype), spec.group_index, spec.strides)
+        for spec in specs
+    ]
     signatures: list[object] = [None] * world_size
     dist.all_gather_object(signatures, signature, group=group)
     reference = signatures[0]
@@ -127,5 +130,6 @@ def _first_difference(reference: list, other: list) -> str:
 def _describe(signature: tuple | None) -> str:
     if signature is None:
         return "frozen"
-    shape, dtype, group_index = signature
-    return f"shape {list(shape)} {dtype} in group {group_index}"
+    shape, dtype, group_index, strides = signature
+    layout = "" if strides is None else f" with strides {list(strides)}"
+    return f"shape {list(shape)} {dtype}{layout} in group {group_index}"
