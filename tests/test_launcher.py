@@ -20,7 +20,8 @@ def _report_environment(tag: str) -> dict:
         "tag": tag,
         "rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
-        "backend": dist.get_backend(),
+        # gloo on a CPU-only machine, the CPU half of "cpu:gloo,cuda:nccl" on a GPU machine
+        "backend": collectives.backend_for_device(dist.group.WORLD, "cpu"),
         "env": {name: os.environ[name] for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
         "tensor": torch.full((2,), float(dist.get_rank())),
     }
