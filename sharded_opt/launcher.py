@@ -160,7 +160,10 @@ def spawn(
     Raises:
         ValueError / TypeError: bad ``nprocs`` or ``devices``, or an unpicklable ``fn``.
         torch.multiprocessing.ProcessRaisedException: a rank raised; the message names the rank
-            that failed first and carries its traceback, and the other ranks are ended.
+            that failed first and carries its traceback, and the other ranks are ended. This
+            includes spawn's own steps after ``fn`` returned: a return value that cannot be
+            pickled ("cannot pickle the lock returned by fn on rank 1"), a group that a failed
+            collective left unusable ("the closing barrier with the other ranks failed").
         torch.multiprocessing.ProcessExitedException: a rank died without raising (killed by a
             signal, ``os._exit``); the message names it and how it died ("rank 1 was killed by
             SIGKILL (exit code -9)"), then what the other ranks failed with. Whichever rank torch
