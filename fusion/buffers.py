@@ -1,11 +1,13 @@
 """Flat param and grad buffers that execute a :class:`~fusion.layout.LayoutPlan`.
 
-After construction every laid-out param's ``.data`` is a contiguous view into its bucket's flat
-param buffer and, once the bucket has a grad buffer, its ``.grad`` a view into that buffer, so a
-bucket's params or grads can be handed to one collective or one optimizer kernel as a single
-tensor. A bucket of params that were frozen when the plan was made gets its grad buffer only when
-:meth:`FlatBuffers.allocate_grads` is called (a param of it was unfrozen), so frozen weights cost
-no grad memory. This module knows nothing of communication; it only owns memory and views.
+After construction every laid-out param's ``.data`` is a view into its bucket's flat param
+buffer (contiguous, or with the param's own strides, see Note [Memory format] in ``layout``)
+and, once the bucket has a grad buffer, its ``.grad`` a view of the same shape and strides into
+that buffer, so a bucket's params or grads can be handed to one collective or one optimizer
+kernel as a single tensor. A bucket of params that were frozen when the plan was made gets its
+grad buffer only when :meth:`FlatBuffers.allocate_grads` is called (a param of it was unfrozen),
+so frozen weights cost no grad memory. This module knows nothing of communication; it only owns
+memory and views.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fusion.layout import BucketPlan, LayoutPlan
+from fusion.layout import BucketPlan, LayoutPlan, ParamSlot
 
 
 class FlatBuffers:
@@ -52,7 +54,7 @@ class FlatBuffers:
         param_buffer = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
         for slot in bucket.slots:
             param = self.params[slot.param_index]
-            param_view = param_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            param_view = view_slot(param_buffer[slot.offset : slot.offset + slot.numel], slot)
             param_view.copy_(param.detach())
             param.data = param_view
             self.param_views[slot.param_index] = param_view
@@ -68,7 +70,7 @@ class FlatBuffers:
         grad_buffer = torch.zeros_like(self.param_buffers[bucket_index])
         for slot in bucket.slots:
             param = self.params[slot.param_index]
-            grad_view = grad_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            grad_view = view_slot(grad_buffer[slot.offset : slot.offset + slot.numel], slot)
             if param.grad is not None:
                 grad_view.copy_(param.grad)
             param.grad = grad_view
@@ -118,6 +120,16 @@ class FlatBuffers:
         param.grad = view
         return True
 
+    def conversion_of(self, param_index: int) -> str | None:
+        """How a param's dtype or device now differs from what it was laid out as (after
+        ``model.half()`` or ``model.to(device)``, which replace ``param.data``), or None."""
+        param, view = self.params[param_index], self.param_views[param_index]
+        if param.dtype != view.dtype:
+            return f"is now {param.dtype} but was laid out as {view.dtype}"
+        if param.device != view.device:
+            return f"is now on {param.device} but was laid out on {view.device}"
+        return None
+
     def detached_params(self) -> list[int]:
         """Indices of params whose ``.data`` no longer lives in the flat buffer."""
         return [
@@ -131,3 +143,21 @@ class FlatBuffers:
         if grad_buffer is None:
             raise RuntimeError(f"FlatBuffers: bucket {bucket_index} has no grad buffer yet")
         return grad_buffer
+
+
+def view_slot(flat: Tensor, slot: ParamSlot) -> Tensor:
+    """``flat`` (the ``slot.numel`` elements of one slot, 1-D and contiguous) as a tensor of the
+    param's shape and strides: a view, see Note [Memory format]."""
+    if slot.strides is None:
+        return flat.view(slot.shape)
+    return flat.as_strided(slot.shape, slot.strides)
+
+
+def flatten_to_slot(tensor: Tensor, slot: ParamSlot) -> Tensor:
+    """``tensor`` (of the param's shape) as 1-D, in the slot's memory order; the inverse of
+    :func:`view_slot`."""
+    if slot.strides is None:
+        return tensor.reshape(-1)
+    laid_out = torch.empty_strided(slot.shape, slot.strides, dtype=tensor.dtype, device=tensor.device)
+    laid_out.copy_(tensor)
+    return laid_out.as_strided((slot.numel,), (1,))

@@ -19,6 +19,18 @@ Note [Bucket order]
     is never split across buckets, and a bucket holds one dtype, one device and one param group,
     so each bucket maps onto one flat tensor and one optimizer param group. Params frozen when the
     plan is made get buckets of their own, which need no grad buffer until a param is unfrozen.
+
+Note [Memory format]
+    A param that is not contiguous but dense (channels_last conv weights, a transposed weight)
+    keeps its strides: its slot holds its elements in its own memory order, and its param and
+    grad views are strided views of the slot (``torch.as_strided``). Kernels then see the memory
+    format the user chose, and autograd's grads, which follow the param's strides, accumulate
+    in place. Everything that treats a slot as flat data (collectives, the optimizer, shard
+    pieces) works on memory order, which is the same on every rank (the strides are part of
+    the check that all ranks hold the same params); a slot's state becomes a tensor of the
+    param's shape with the param's strides (``fusion.buffers.view_slot``), and a tensor is cut
+    into a slot in memory order (``fusion.buffers.flatten_to_slot``). A param that is not dense
+    (a slice with gaps) cannot be viewed that way and is laid out contiguous.
 """
 
 from __future__ import annotations
@@ -43,6 +55,9 @@ class ParamSpec:
     requires_grad: bool = True
     """Frozen and trainable params never share a bucket, so a bucket of frozen params costs no
     grad memory and no communication until one of them is unfrozen."""
+    strides: tuple[int, ...] | None = None
+    """Strides the param keeps in its bucket (channels_last, ...), see Note [Memory format];
+    None: contiguous."""
 
     @property
     def numel(self) -> int:
@@ -50,7 +65,37 @@ class ParamSpec:
 
     @classmethod
     def of(cls, param: torch.Tensor, group_index: int) -> ParamSpec:
-        return cls(tuple(param.shape), param.dtype, param.device, group_index, param.requires_grad)
+        return cls(
+            tuple(param.shape),
+            param.dtype,
+            param.device,
+            group_index,
+            requires_grad=param.requires_grad,
+            strides=kept_strides(param),
+        )
+
+
+def kept_strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The tensor's strides if they are not the contiguous ones and its view in a bucket can keep
+    them (dense and non-overlapping: its elements fill ``numel`` consecutive slots in some
+    dimension order), else None. See Note [Memory format]."""
+    strides = tuple(tensor.stride())
+    if strides == _contiguous_strides(tuple(tensor.shape)) or tensor.numel() == 0:
+        return None
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(strides, tensor.shape, strict=True) if n != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return strides
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +107,17 @@ class ParamSlot:
     offset: int
     numel: int
     shape: tuple[int, ...]
+    strides: tuple[int, ...] | None = None
+    """The param's strides inside its ``numel`` slots, see Note [Memory format]; None:
+    contiguous."""
 
 
 @dataclass(frozen=True, slots=True)
 class ShardPiece:
     """A contiguous run of one param that falls inside one rank's shard of a bucket.
 
-    ``param_start`` counts elements from the start of the flattened param, ``shard_start`` from
+    ``param_start`` counts elements from the start of the flattened param (in its memory order,
+    see Note [Memory format]), ``shard_start`` from
     the start of the rank's shard.
     """
 
@@ -207,7 +256,7 @@ def _build_bucket(
     cursor = 0
     for param_index, spec in members:
         offset = round_up(cursor, align)
-        slots.append(ParamSlot(param_index, bucket_index, offset, spec.numel, spec.shape))
+        slots.append(ParamSlot(param_index, bucket_index, offset, spec.numel, spec.shape, spec.strides))
         cursor = offset + spec.numel
     padded = round_up(max(cursor, 1), world_size * align)
     return BucketPlan(

@@ -42,6 +42,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fusion.layout import ShardPiece
+from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.inner_optimizer import load_param_states, param_states
 from sharded_opt.state_dict import describe_param_states, local_pieces
 
@@ -68,6 +69,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
         FileExistsError: ``path`` exists and is not a checkpoint written by this function.
     """
     optimizer.sync_params()
+    _check_all_ranks_enter("save_checkpoint", optimizer)
     final = Path(path)
     _check_destination(final)
     staging = final.with_name(final.name + _PARTIAL_SUFFIX)
@@ -100,6 +102,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
             "save that was interrupted leaves only a '.partial' folder"
         )
     optimizer.sync_params()
+    _check_all_ranks_enter("load_checkpoint", optimizer)
     reader = dcp.FileSystemReader(folder)
     meta = {_META_NUM_PARAMS: torch.zeros((), dtype=torch.int64)}
     try:
@@ -130,6 +133,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
         for key, value in _model_entries(model).items():
             value.copy_(state[key])
     plan.install(state)
+
+
+def _check_all_ranks_enter(function: str, optimizer: ShardingStage1) -> None:
+    fix = f"Call {function}(path, model, opt) on every rank; each rank reads or writes its own shard"
+    check_all_ranks_enter(function, fix, optimizer.process_group, optimizer.collective_entry_timeout_s)
 
 
 def _model_entries(model: nn.Module) -> dict[str, Tensor]:

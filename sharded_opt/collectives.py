@@ -35,9 +35,19 @@ def reduce_scatter_avg(
 
     With ``async_op``, returns a handle whose ``wait()`` makes ``output`` final.
     """
-    if dist.get_backend(group) == "gloo":
+    if backend_for_device(group, input.device.type) == "gloo":
         return _reduce_scatter_by_all_to_all(output, input, group, async_op)
     return _reduce_scatter(output, input, op=ReduceOp.AVG, group=group, async_op=async_op)
+
+
+def backend_for_device(group: ProcessGroup, device_type: str) -> str:
+    """The backend that runs ``group``'s collectives on tensors of ``device_type``: the matching
+    pair of a ``"cpu:gloo,cuda:nccl"`` style group, else the group's one backend."""
+    backend = str(dist.get_backend(group))
+    if ":" not in backend:
+        return backend
+    pairs = dict(pair.split(":", 1) for pair in backend.split(","))
+    return pairs.get(device_type, "")
 
 
 def _reduce_scatter_by_all_to_all(

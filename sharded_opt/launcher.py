@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import io
@@ -33,6 +34,19 @@ FAILURE_GRACE_S = 5.0
 stops them. A dead peer makes their next collective raise at once ("connection reset by peer"),
 so their errors make it into the report; the collective timeout caps it."""
 
+CPU_BACKEND = "gloo"
+"""Backend for CPU tensors, on every machine.
+
+Note [Backend per device type]
+    With one backend for the whole group, an accelerator machine gets NCCL (say) for every
+    collective, and CPU tensors (a CPU model, the object collectives' buffers) then fail or go
+    to the wrong place. A group built from ``"cpu:gloo,cuda:nccl"`` routes each collective by
+    its tensors' device, so CPU tensors use gloo on any machine. The accelerator's backend is
+    created lazily by its first collective, so a rank that never uses the device (more local
+    ranks than devices, a CPU model) never touches it; every rank gets the same backend string
+    so the group's device types agree. Setting the current device to ``LOCAL_RANK`` only when
+    that device exists keeps ``spawn(fn, nprocs=2)`` working on a one-device machine."""
+
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _DEFAULT_EPHEMERAL_FLOOR = 32768  # Linux's default start of ip_local_port_range
 _PORT_WINDOW = 12000  # ports below the ephemeral floor that spawn picks from
@@ -45,12 +59,14 @@ def init_parallel_env(
     ``MASTER_PORT`` (set by :func:`spawn` and by ``torchrun``) and return it.
 
     Args:
-        backend: ``"gloo"``, ``"nccl"``, ... ; by default the backend torch pairs with this
-            machine's accelerator (NCCL on CUDA), else gloo.
+        backend: ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``, ... ; by default gloo for CPU
+            tensors plus, on a machine with an accelerator, the backend torch pairs with it for
+            that device's tensors (``"cpu:gloo,cuda:nccl"``), see :func:`plan_parallel_env`.
         timeout_s: how long a collective may wait for its peers before it raises, so that a dead
             rank makes the others fail instead of hang.
 
-    If an accelerator is present, the rank's device is set from ``LOCAL_RANK`` first. Calling it
+    The rank's device is set to ``LOCAL_RANK`` only when that device exists, so more local ranks
+    than devices (``spawn(fn, nprocs=2)`` on a one-GPU machine, CPU models) work. Calling it
     again when the group already exists returns that group.
 
     Raises:
@@ -64,13 +80,52 @@ def init_parallel_env(
             f"init_parallel_env needs the environment variables {', '.join(missing)}; start the "
             "script with sharded_opt.spawn(...) or torchrun --nproc-per-node=N script.py"
         )
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if accelerator is not None and "LOCAL_RANK" in os.environ:
-        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
-    if backend is None:
-        backend = dist.get_default_backend_for_device(accelerator) if accelerator else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    available = torch.accelerator.is_available()
+    accelerator = torch.accelerator.current_accelerator() if available else None
+    local_rank = os.environ.get("LOCAL_RANK")
+    plan = plan_parallel_env(
+        accelerator.type if accelerator is not None else None,
+        torch.accelerator.device_count() if available else 0,
+        int(local_rank) if local_rank is not None else None,
+        backend,
+    )
+    if plan.device_index is not None:
+        torch.accelerator.set_device_index(plan.device_index)
+    dist.init_process_group(plan.backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.group.WORLD
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParallelEnvPlan:
+    """What :func:`init_parallel_env` does on one rank."""
+
+    backend: str
+    """The backend string for ``init_process_group``."""
+    device_index: int | None
+    """Accelerator device to make current, or None to leave the device alone."""
+
+
+def plan_parallel_env(
+    accelerator_type: str | None, device_count: int, local_rank: int | None, backend: str | None
+) -> ParallelEnvPlan:
+    """Choose the process group backend and this rank's device (pure; see Note [Backend per
+    device type]).
+
+    Args:
+        accelerator_type: ``"cuda"``, ``"xpu"``, ... ; None on a machine without one.
+        device_count: visible accelerator devices.
+        local_rank: the rank's index on this machine (``LOCAL_RANK``); None when the launcher
+            chose the device already or does not say.
+        backend: the backend the caller asked for, kept as given; None picks one.
+    """
+    has_device = accelerator_type is not None and local_rank is not None and 0 <= local_rank < device_count
+    if backend is None:
+        backend = CPU_BACKEND
+        if accelerator_type is not None:
+            device_backend = dist.get_default_backend_for_device(accelerator_type)
+            if device_backend != CPU_BACKEND:
+                backend = f"cpu:{CPU_BACKEND},{accelerator_type}:{device_backend}"
+    return ParallelEnvPlan(backend, local_rank if has_device else None)
 
 
 def spawn(
@@ -105,7 +160,10 @@ def spawn(
     Raises:
         ValueError / TypeError: bad ``nprocs`` or ``devices``, or an unpicklable ``fn``.
         torch.multiprocessing.ProcessRaisedException: a rank raised; the message names the rank
-            that failed first and carries its traceback, and the other ranks are ended.
+            that failed first and carries its traceback, and the other ranks are ended. This
+            includes spawn's own steps after ``fn`` returned: a return value that cannot be
+            pickled ("cannot pickle the lock returned by fn on rank 1"), a group that a failed
+            collective left unusable ("the closing barrier with the other ranks failed").
         torch.multiprocessing.ProcessExitedException: a rank died without raising (killed by a
             signal, ``os._exit``); the message names it and how it died ("rank 1 was killed by
             SIGKILL (exit code -9)"), then what the other ranks failed with. Whichever rank torch
@@ -153,6 +211,38 @@ def _run_rank(
     timeout_s: float,
     result_dir: str,
 ) -> None:
+    """One rank: join the group, run ``fn``, send its result back, leave the group.
+
+    Any failure, also in this function's own steps after ``fn`` returned (an unpicklable
+    result, a broken group at the closing barrier), is written to the rank's error file first,
+    so :func:`~sharded_opt.rank_failures.raise_root_cause` reports it as the rank's error
+    instead of a bare exit code.
+    """
+    try:
+        _join_group(rank, world_size, port, device_ids, backend, timeout_s)
+        payload = _serialize_result(fn(*args), rank)
+        _leave_group(rank)
+    except BaseException:
+        failure = Path(result_dir) / f"rank{rank}.error"
+        failure.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
+        # No destroy_process_group here: a failed rank may still have asynchronous collectives in
+        # flight, and tearing the group down under them aborts the process (SIGABRT), which
+        # would hide the exception. The process is about to exit anyway.
+        raise
+    path = Path(result_dir) / f"rank{rank}.pt"
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(payload)
+    partial.replace(path)
+
+
+def _join_group(
+    rank: int,
+    world_size: int,
+    port: int,
+    device_ids: list[int] | None,
+    backend: str | None,
+    timeout_s: float,
+) -> None:
     os.environ.update(
         MASTER_ADDR=LOOPBACK_ADDR,
         MASTER_PORT=str(port),
@@ -164,28 +254,37 @@ def _run_rank(
         torch.accelerator.set_device_index(device_ids[rank])
         os.environ.pop("LOCAL_RANK")  # the device is chosen already; keep init from overriding it
     init_parallel_env(backend, timeout_s=timeout_s)
+
+
+def _serialize_result(result: Any, rank: int) -> bytes:
+    """``result`` as ``torch.save`` bytes, serialized before the group is left so that a
+    result that cannot be sent back fails this rank with the reason, not its peers."""
+    buffer = io.BytesIO()
     try:
-        result = fn(*args)
-    except BaseException:
-        failure = Path(result_dir) / f"rank{rank}.error"
-        failure.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
-        # No destroy_process_group here: a failed rank may still have asynchronous collectives in
-        # flight, and tearing the group down under them aborts the process (SIGABRT), which
-        # would hide the exception. The process is about to exit anyway.
-        raise
+        torch.save(result, buffer)
+    except Exception as error:  # pickling raises TypeError, AttributeError or PicklingError
+        raise TypeError(
+            f"spawn: cannot pickle the {type(result).__name__} returned by fn on rank {rank} "
+            f"({error}); return tensors, numbers, strings or containers of them"
+        ) from error
+    return buffer.getvalue()
+
+
+def _leave_group(rank: int) -> None:
     # Objects kept alive by reference cycles (hooks whose closures hold the optimizer, which holds
     # the group) would otherwise outlive destroy_process_group and be destroyed during interpreter
     # shutdown, where the gloo group's threads make the process abort (SIGABRT) after it already
     # succeeded. Collect them while the group is still whole, then tear it down together.
     gc.collect()
-    dist.barrier()
+    try:
+        dist.barrier()
+    except Exception as error:
+        raise RuntimeError(
+            f"spawn: fn returned on rank {rank}, but the closing barrier with the other ranks "
+            f"failed ({error}). Either another rank failed (see its error), or a collective in fn "
+            "failed or timed out and left the process group unusable, even if fn caught that error"
+        ) from error
     dist.destroy_process_group()
-    buffer = io.BytesIO()
-    torch.save(result, buffer)
-    path = Path(result_dir) / f"rank{rank}.pt"
-    partial = path.with_suffix(".partial")
-    partial.write_bytes(buffer.getvalue())
-    partial.replace(path)
 
 
 def _load_result(path: Path) -> Any:

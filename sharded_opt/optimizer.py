@@ -22,6 +22,7 @@ from fusion.layout import LayoutPlan, plan_layout
 from sharded_opt import collectives
 from sharded_opt import state_dict as state_dict_conversion
 from sharded_opt.bucket_comm import BucketCommunicator
+from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.grad_hooks import GradReadyTracker
 from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, hyperparameters
 from sharded_opt.local_shard import resolve_precision
@@ -95,6 +96,7 @@ class ShardingStage1(torch.optim.Optimizer):
         check_same_layout(specs, group, world_size)
 
         self.overlap = config.enable_overlap
+        self.collective_entry_timeout_s = config.collective_entry_timeout_s
         self.sharded = config.enable
         self.process_group = group
         self.rank = rank
@@ -391,6 +393,9 @@ class ShardingStage1(torch.optim.Optimizer):
                 f"ShardingStage1.state_dict expects to_rank in [0, {self.world_size}) but got {to_rank}"
             )
         self.sync_params()
+        self._check_all_ranks_enter(
+            "state_dict", "Call opt.state_dict(to_rank=0) on every rank (the others get None)"
+        )
         return state_dict_conversion.gather_state_dict(self, to_rank)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -405,6 +410,7 @@ class ShardingStage1(torch.optim.Optimizer):
                 optimizer class or configuration, or state shapes that do not match the params.
         """
         self.sync_params()
+        self._check_all_ranks_enter("load_state_dict", "Call opt.load_state_dict(sd) on every rank")
         state_dict_conversion.load_state_dict(self, state_dict)
 
     # -- internals -------------------------------------------------------------------------
@@ -460,6 +466,16 @@ class ShardingStage1(torch.optim.Optimizer):
 
     def _check_params_in_buffers(self) -> None:
         moved = self._buffers.detached_params()
+        converted = [(index, self._buffers.conversion_of(index)) for index in sorted(moved)]
+        converted = [(index, change) for index, change in converted if change is not None]
+        if converted:
+            index, change = converted[0]
+            raise RuntimeError(
+                f"ShardingStage1: param {index} (optimizer order) {change} ({len(converted)} "
+                "param(s) converted, e.g. by model.half() or model.to(...) after wrapping), so it "
+                "no longer lives in the flat buffers and updates would be lost. Cast or move the "
+                "model before building the optimizer and wrapping it"
+            )
         if moved:
             raise RuntimeError(
                 f"ShardingStage1: params {moved[:8]} (optimizer order) no longer live in the flat "
@@ -490,6 +506,11 @@ class ShardingStage1(torch.optim.Optimizer):
                 f"out {self._num_params_per_group}; params cannot be added after wrapping. Add every "
                 "param group to the torch optimizer first, then wrap it"
             )
+
+    def _check_all_ranks_enter(self, method: str, fix: str) -> None:
+        check_all_ranks_enter(
+            f"ShardingStage1.{method}", fix, self.process_group, self.collective_entry_timeout_s
+        )
 
     def _check_backward_finished(self) -> None:
         if self._grad_tracker.backward_unfinished:
@@ -615,6 +636,15 @@ class ShardingStage1(torch.optim.Optimizer):
     def _sync_hyperparameters(self) -> None:
         for outer, inner in zip(self.param_groups, self._inner.param_groups, strict=True):
             inner.update(hyperparameters(outer))
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        """Refuse pickling and ``copy.deepcopy``: a copy would share or lose the process group,
+        the flat buffers the params view and the hooks, and fail later at ``step()``."""
+        raise TypeError(
+            "ShardingStage1 cannot be pickled or copied: it holds a process group, the flat buffers "
+            "its params are views of, and hooks on them. Save opt.state_dict() (or use "
+            "sharded_opt.save_checkpoint(path, model, opt)) and build a new ShardingStage1 to restore"
+        )
 
 
 def _resolve_config(strategy: Strategy | None, overlap: bool | None):

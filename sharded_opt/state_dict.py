@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fusion.layout import ShardPiece
+from fusion.buffers import flatten_to_slot, view_slot
+from fusion.layout import ParamSlot, ShardPiece
 from sharded_opt.inner_optimizer import (
     ParamState,
     constructor_kwargs,
@@ -99,6 +100,7 @@ def gather_state_dict(optimizer: ShardingStage1, to_rank: int | None) -> dict[st
     params = optimizer._buffers.params
     state: dict[int, dict[str, Any]] = {}
     for index, description in descriptions.items():
+        slot = optimizer.plan.slot(index)
         entry: dict[str, Any] = {}
         for key, (kind, value) in description.items():
             if kind == "scalar":
@@ -110,7 +112,7 @@ def gather_state_dict(optimizer: ShardingStage1, to_rank: int | None) -> dict[st
                 full[piece.param_start : piece.param_start + piece.numel] = local[index][key]
             if optimizer._comm.sharded:
                 _sum_over_group(full, optimizer, to_rank)
-            entry[key] = full.view(params[index].shape)
+            entry[key] = view_slot(full, slot)
         state[index] = entry
     if to_rank is not None and optimizer.rank != to_rank:
         return None
@@ -223,11 +225,14 @@ def _local_states(
             continue
         elementwise = expected[group_of[position]]
         states[position] = {
-            key: _cut(value, piece) if elementwise[key] else value for key, value in entry.items()
+            key: _cut(value, piece, optimizer.plan.slot(position)) if elementwise[key] else value
+            for key, value in entry.items()
         }
     return states
 
 
-def _cut(value: Tensor, piece: ShardPiece) -> Tensor:
-    # A copy: the optimizer updates its state in place and must not write into the caller's dict.
-    return value.reshape(-1)[piece.param_start : piece.param_start + piece.numel].clone()
+def _cut(value: Tensor, piece: ShardPiece, slot: ParamSlot) -> Tensor:
+    """This rank's piece of a full state tensor, in the slot's memory order. A copy: the
+    optimizer updates its state in place and must not write into the caller's dict."""
+    flat = flatten_to_slot(value, slot)
+    return flat[piece.param_start : piece.param_start + piece.numel].clone()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -50,6 +51,11 @@ class ShardingConfig:
     running statistics, ...) from the group's first rank before each forward with grad enabled,
     so all ranks normalize alike. Costs one synchronous broadcast per forward of all buffers
     (one per dtype); a model without buffers issues none. False leaves each rank its own."""
+    collective_entry_timeout_s: float | None = None
+    """How long ``state_dict``, ``load_state_dict``, ``save_checkpoint`` and ``load_checkpoint``
+    wait for every rank to call them before they raise an error naming the ranks that did not
+    (on gloo groups). None: the process group's own timeout. See Note [Collectives entered by
+    some ranks] in ``collective_guard``."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         _check_field(name, value)
@@ -82,9 +88,23 @@ def _check_field(name: str, value: Any) -> None:
     elif name == "bucket_size_mb":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"Strategy.sharding.bucket_size_mb expects a number > 0 but got {value!r}")
+        if not math.isfinite(value):
+            # inf would pass the check above and overflow only when the layout turns it into bytes.
+            raise ValueError(
+                f"Strategy.sharding.bucket_size_mb expects a finite number of MiB but got {value!r}; "
+                "for one bucket per dtype and param group, give a size above the model's, e.g. 1e6"
+            )
     elif name == "align_bytes":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
             raise ValueError(f"Strategy.sharding.align_bytes expects a power of two >= 1 but got {value!r}")
+    elif name == "collective_entry_timeout_s":
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
+        ):
+            raise ValueError(
+                f"Strategy.sharding.collective_entry_timeout_s expects None or a finite number of "
+                f"seconds > 0 but got {value!r}"
+            )
     elif name in ("reduce_dtype", "master_dtype"):
         if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
             raise ValueError(

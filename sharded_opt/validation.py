@@ -136,7 +136,9 @@ def _timeout_of(group: ProcessGroup) -> datetime.timedelta | None:
 
 def check_same_layout(specs: list[ParamSpec], group: ProcessGroup, world_size: int) -> None:
     """Raise on every rank if any rank's params differ from rank 0's (collective)."""
-    signature = [(spec.shape, str(spec.dtype), spec.group_index, spec.requires_grad) for spec in specs]
+    signature = [
+        (spec.shape, str(spec.dtype), spec.group_index, spec.requires_grad, spec.strides) for spec in specs
+    ]
     signatures: list[object] = [None] * world_size
     dist.all_gather_object(signatures, signature, group=group)
     reference = signatures[0]
@@ -159,6 +161,7 @@ def _first_difference(reference: list, other: list) -> str:
 
 
 def _describe(signature: tuple) -> str:
-    shape, dtype, group_index, requires_grad = signature
+    shape, dtype, group_index, requires_grad, strides = signature
     frozen = "" if requires_grad else " (frozen)"
-    return f"shape {list(shape)} {dtype} in group {group_index}{frozen}"
+    layout = "" if strides is None else f" with strides {list(strides)}"
+    return f"shape {list(shape)} {dtype}{layout} in group {group_index}{frozen}"

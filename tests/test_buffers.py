@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fusion.buffers import FlatBuffers
+from fusion.buffers import FlatBuffers, flatten_to_slot, view_slot
 from fusion.layout import LayoutPlan, ParamSpec, plan_layout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -131,8 +131,46 @@ def test_existing_grad_is_copied_in():
             assert not p.grad.any()
 
 
-def test_non_contiguous_param_is_copied_as_values():
-    p = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4).t())
+def test_dense_non_contiguous_params_keep_their_strides():
+    """channels_last and transposed params keep their memory format: their slot holds them in
+    memory order, and param and grad are strided views of it."""
+    conv = torch.nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
+    transposed = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4).t())
+    params = [conv, transposed]
+    expected = [p.detach().clone() for p in params]
+    memory_order = [p.detach().as_strided((p.numel(),), (1,)).clone() for p in params]
+    strides = [p.stride() for p in params]
+    plan, flat = wrap(params, world_size=2)
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    for index, p in enumerate(params):
+        slot = plan.slot(index)
+        assert p.stride() == strides[index] and p.grad.stride() == strides[index]
+        assert torch.equal(p.detach(), expected[index])
+        assert is_view_at(p.data, flat.param_buffers[slot.bucket_index], slot.offset)
+        assert is_view_at(p.grad, flat.grad_buffers[slot.bucket_index], slot.offset)
+        assert torch.equal(buffer_region(flat.param_buffers, plan, index), memory_order[index])
+        assert torch.equal(flatten_to_slot(expected[index], slot), memory_order[index])
+        assert torch.equal(view_slot(memory_order[index], slot), expected[index])
+        assert view_slot(memory_order[index], slot).stride() == strides[index]
+
+
+def test_backward_into_a_channels_last_grad_keeps_it_in_place():
+    weight = torch.nn.Parameter(torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last))
+    reference = weight.detach().clone().requires_grad_(True)
+    plan, flat = wrap([weight], world_size=2)
+    inputs = torch.randn(2, 3, 5, 5).to(memory_format=torch.channels_last)
+    for _ in range(2):
+        torch.nn.functional.conv2d(inputs, weight).square().sum().backward()
+        torch.nn.functional.conv2d(inputs, reference).square().sum().backward()
+    assert weight.grad is flat.grad_views[0]
+    torch.testing.assert_close(weight.grad, reference.grad)
+    torch.testing.assert_close(
+        buffer_region(flat.grad_buffers, plan, 0), flatten_to_slot(reference.grad, plan.slot(0))
+    )
+
+
+def test_non_dense_param_is_copied_as_contiguous_values():
+    p = torch.nn.Parameter(torch.arange(24.0).reshape(4, 6)[:, ::2])
     expected = p.detach().clone()
     assert not p.is_contiguous()
     _, flat = wrap([p], world_size=1)

@@ -7,6 +7,8 @@ missing group); mistakes that need several ranks run together in one spawned job
 
 from __future__ import annotations
 
+import copy
+import pickle
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,6 +93,17 @@ def _param_data_reassigned() -> None:
     optimizer.step()
 
 
+def _model_cast_after_wrapping() -> None:
+    model = make_model()
+    optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1))
+    model.half()
+    optimizer.step()
+
+
+def _wrapper() -> ShardingStage1:
+    return ShardingStage1(torch.optim.SGD(make_model().parameters(), lr=0.1))
+
+
 def _bad_norm_type() -> None:
     ShardingStage1(torch.optim.SGD(make_model().parameters(), lr=0.1)).clip_grad_norm_(1.0, norm_type=0)
 
@@ -140,6 +153,14 @@ CASES = [
              ValueError, "enable_overlap expects a bool but got 1", needs_group=False),
     BadInput("strategy_bucket_size_zero", lambda: ShardingConfig(bucket_size_mb=0), ValueError,
              "bucket_size_mb expects a number > 0 but got 0", needs_group=False),
+    BadInput("strategy_bucket_size_inf", lambda: ShardingConfig(bucket_size_mb=float("inf")), ValueError,
+             "bucket_size_mb expects a finite number of MiB but got inf", needs_group=False),
+    BadInput("strategy_bucket_size_nan", lambda: ShardingConfig(bucket_size_mb=float("nan")), ValueError,
+             "bucket_size_mb expects a number > 0 but got nan", needs_group=False),
+    BadInput("strategy_entry_timeout_not_positive",
+             lambda: ShardingConfig(collective_entry_timeout_s=0), ValueError,
+             "collective_entry_timeout_s expects None or a finite number of seconds > 0 but got 0",
+             needs_group=False),
     BadInput("strategy_align_not_power_of_two", lambda: ShardingConfig(align_bytes=100), ValueError,
              "align_bytes expects a power of two >= 1 but got 100", needs_group=False),
     BadInput("strategy_dtype_not_floating", lambda: ShardingConfig(master_dtype=torch.int32), ValueError,
@@ -159,6 +180,13 @@ CASES = [
              "model that owns the optimizer's params but 8 param"),
     BadInput("param_data_reassigned", _param_data_reassigned, RuntimeError,
              r"no longer live in the flat buffers .*param.data = "),
+    BadInput("model_cast_after_wrapping", _model_cast_after_wrapping, RuntimeError,
+             r"param 0 \(optimizer order\) is now torch.float16 but was laid out as torch.float32 .*"
+             "Cast or move the model before building the optimizer and wrapping it"),
+    BadInput("pickle_the_wrapper", lambda: pickle.dumps(_wrapper()), TypeError,
+             r"cannot be pickled or copied: it holds a process group, the flat buffers .*opt.state_dict\(\)"),
+    BadInput("deepcopy_the_wrapper", lambda: copy.deepcopy(_wrapper()), TypeError,
+             r"cannot be pickled or copied.*save_checkpoint\(path, model, opt\)"),
     BadInput("clip_norm_type_not_positive", _bad_norm_type, ValueError, "norm_type > 0"),
     BadInput("state_dict_to_rank_out_of_range", _bad_to_rank, ValueError, r"to_rank in \[0, 1\) but got 3"),
 ]  # fmt: skip

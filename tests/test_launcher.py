@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sharded_opt import init_parallel_env, spawn
+from sharded_opt import collectives, init_parallel_env, launcher, spawn
 
 
 def _report_environment(tag: str) -> dict:
@@ -18,7 +20,8 @@ def _report_environment(tag: str) -> dict:
         "tag": tag,
         "rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
-        "backend": dist.get_backend(),
+        # gloo on a CPU-only machine, the CPU half of "cpu:gloo,cuda:nccl" on a GPU machine
+        "backend": collectives.backend_for_device(dist.group.WORLD, "cpu"),
         "env": {name: os.environ[name] for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
         "tensor": torch.full((2,), float(dist.get_rank())),
     }
@@ -90,3 +93,113 @@ def test_init_parallel_env_names_missing_variables(monkeypatch) -> None:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.*torchrun"):
         init_parallel_env()
+
+
+# -- backend and device per rank (pure; the GPU cases run here with fake device counts) -------------
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "device_count", "local_rank", "backend", "expected"),
+    [
+        (None, 0, 0, None, ("gloo", None)),
+        (None, 0, None, None, ("gloo", None)),
+        ("cuda", 1, 0, None, ("cpu:gloo,cuda:nccl", 0)),
+        ("cuda", 1, 1, None, ("cpu:gloo,cuda:nccl", None)),  # spawn(fn, nprocs=2) on one GPU
+        ("cuda", 8, 3, None, ("cpu:gloo,cuda:nccl", 3)),
+        ("cuda", 2, None, None, ("cpu:gloo,cuda:nccl", None)),  # spawn(devices=...) chose it
+        ("cuda", 2, 1, "nccl", ("nccl", 1)),  # an explicit backend is kept
+        ("cuda", 2, 1, "gloo", ("gloo", 1)),
+        (None, 0, 1, "gloo", ("gloo", None)),
+    ],
+)
+def test_plan_parallel_env(accelerator, device_count, local_rank, backend, expected) -> None:
+    plan = launcher.plan_parallel_env(accelerator, device_count, local_rank, backend)
+    assert (plan.backend, plan.device_index) == expected
+
+
+class _FakeAccelerator:
+    """Stands in for torch.accelerator on a machine with ``count`` CUDA devices."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+        self.current: list[int] = []
+        self.backends: list[str] = []
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+        monkeypatch.setattr(torch.accelerator, "device_count", lambda: count)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+        monkeypatch.setattr(torch.accelerator, "set_device_index", self.current.append)
+        monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: self.backends.append(backend))
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.setenv(name, "0")  # restored after the test; the code under test sets them
+
+
+def test_init_parallel_env_leaves_a_rank_without_a_device_on_cpu(monkeypatch) -> None:
+    fake = _FakeAccelerator(monkeypatch, count=1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    init_parallel_env()
+    assert fake.current == []  # the old code set device 1: "invalid device ordinal"
+    assert fake.backends == ["cpu:gloo,cuda:nccl"]
+
+
+def test_init_parallel_env_sets_an_existing_device(monkeypatch) -> None:
+    fake = _FakeAccelerator(monkeypatch, count=2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    init_parallel_env()
+    assert fake.current == [1]
+    assert fake.backends == ["cpu:gloo,cuda:nccl"]
+
+
+def test_spawn_devices_choose_the_device_and_init_keeps_it(monkeypatch) -> None:
+    fake = _FakeAccelerator(monkeypatch, count=4)
+    launcher._join_group(rank=1, world_size=2, port=1, device_ids=[2, 3], backend=None, timeout_s=5)
+    assert fake.current == [3]
+    assert fake.backends == ["cpu:gloo,cuda:nccl"]
+
+
+def _reduce_scatter_path() -> tuple[bool, torch.Tensor]:
+    calls = []
+    by_all_to_all = collectives._reduce_scatter_by_all_to_all
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return by_all_to_all(*args, **kwargs)
+
+    collectives._reduce_scatter_by_all_to_all = spy
+    output = torch.empty(2)
+    collectives.reduce_scatter_avg(output, torch.arange(4.0) * (dist.get_rank() + 1), dist.group.WORLD, False)
+    return bool(calls), output
+
+
+def test_cpu_tensors_take_the_gloo_path_in_a_group_with_a_backend_per_device() -> None:
+    results = spawn(_reduce_scatter_path, nprocs=2, backend="cpu:gloo")
+    assert [took_gloo_path for took_gloo_path, _ in results] == [True, True]
+    assert torch.equal(results[0][1], torch.tensor([0.0, 1.5]))
+    assert torch.equal(results[1][1], torch.tensor([3.0, 4.5]))
+
+
+# -- spawn reports a rank's own failure, also one in spawn's code after fn returned -----------------
+
+
+def _return_a_lock_on_rank_one() -> object:
+    return threading.Lock() if dist.get_rank() == 1 else 0
+
+
+def test_unpicklable_return_value_is_reported_as_the_cause() -> None:
+    with pytest.raises(
+        mp.ProcessRaisedException, match=r"cannot pickle the lock returned by fn on rank 1 \(cannot pickle"
+    ):
+        spawn(_return_a_lock_on_rank_one, nprocs=2)
+
+
+def _both_ranks_catch_a_timeout() -> str:
+    with contextlib.suppress(RuntimeError):
+        dist.recv(torch.zeros(1), src=1 - dist.get_rank())  # both wait, nobody sends
+    return "caught"
+
+
+def test_broken_group_after_fn_returned_is_reported_as_the_cause() -> None:
+    with pytest.raises(
+        mp.ProcessRaisedException,
+        match=r"fn returned on rank \d, but the closing barrier with the other ranks failed .*"
+        r"a collective in fn failed or timed out and left the process group unusable",
+    ):
+        spawn(_both_ranks_catch_a_timeout, nprocs=2, timeout_s=2)
