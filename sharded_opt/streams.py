@@ -91,19 +91,70 @@ def on_stream(stream: torch.Stream | None) -> Iterator[None]:
         yield
 
 
-def wait_compute(comm_stream: torch.Stream | None) -> torch.Event | None:
-    """Make ``comm_stream`` wait for all work queued so far on the current compute stream.
+def wait_compute(
+    comm_stream: torch.Stream | None, producers: Iterable[torch.Stream] = ()
+) -> torch.Event | None:
+    """Make ``comm_stream`` wait for all work queued so far on the current compute stream and
+    on each of ``producers`` (other streams that wrote part of the input, e.g. grads accumulated
+    by backward ops on side streams).
 
-    Records an event on the compute stream and makes the comm stream wait on it; the host is not
-    blocked. Returns the event (None on CPU, where host order already implies the dependency).
-    See Note [Streams and events].
+    Records an event on each of those streams and makes the comm stream wait on it; the host is
+    not blocked. Returns the current stream's event (None on CPU, where host order already
+    implies the dependency). See Note [Streams and events].
     """
     if comm_stream is None:
         return None
     compute_stream = torch.accelerator.current_stream(comm_stream.device)
-    event = torch.Event(device=comm_stream.device)
-    event.record(compute_stream)
+    event = _recorded_event(compute_stream)
     comm_stream.wait_event(event)
+    for stream in producers:
+        if stream != compute_stream and stream != comm_stream:
+            comm_stream.wait_event(_recorded_event(stream))
+    return event
+
+
+def note_current_stream(seen: list[torch.Stream], device: torch.device) -> None:
+    """Add ``device``'s current stream to ``seen`` unless it is there already.
+
+    Called once per grad in backward hooks: ``seen`` usually holds one stream, so this is one
+    comparison. See Note [Streams and events].
+    """
+    stream = torch.accelerator.current_stream(device)
+    if stream not in seen:
+        seen.append(stream)
+
+
+def record_completion(work: Work | Future, comm_stream: torch.Stream | None) -> torch.Event | None:
+    """Turn a collective's handle into an event that any stream can wait on, any number of times.
+
+    ``Work.wait()`` orders only the stream current at the call, once; so the comm stream waits
+    for the collective and an event is recorded there after that wait. The host is not blocked
+    on backends whose ``wait()`` only orders streams (NCCL). On CPU the host waits for the
+    collective and None is returned: host order then covers every later reader. See Note
+    [Streams and events].
+    """
+    if comm_stream is None:
+        work.wait()
+        return None
+    with comm_stream:
+        work.wait()
+    return _recorded_event(comm_stream)
+
+
+def wait_event_once(event: torch.Event | None, waited: list[torch.Stream]) -> None:
+    """Make the current stream wait on ``event`` unless it is in ``waited`` (streams that
+    already waited on this very event); then it is. Nothing to do for None (CPU)."""
+    if event is None:
+        return
+    stream = torch.accelerator.current_stream(event.device)
+    if stream not in waited:
+        stream.wait_event(event)
+        waited.append(stream)
+
+
+def _recorded_event(stream: torch.Stream) -> torch.Event:
+    event = torch.Event(device=stream.device)
+    event.record(stream)
     return event
 
 
