@@ -8,12 +8,13 @@ same collectives on the very same buffers, which is why their results are bitwis
 Note [Mixed precision]
     Params and their grads live in the params' own dtype (bf16, say) in the flat buffers:
     autograd needs a grad of the param's dtype. Grads are reduced in ``reduce_dtype`` (fp32 by
-    default for 16-bit params): a bf16 bucket is cast to a temporary fp32 copy that the
-    collective reads, and the averaged shard arrives in a persistent fp32 tensor. With a
-    ``master_dtype`` wider than the params, the inner optimizer steps a persistent fp32 master
-    copy of the local shard only (never of the whole model); after the step the master is cast
-    back into the param buffer's shard, which is all-gathered in the params' dtype. See Note
-    [Master copies] in ``local_shard`` for how params written by others stay the truth.
+    default for 16-bit params): a bf16 bucket is cast into an fp32 staging buffer that the
+    collective reads (Note [Bounded staging]), and the averaged shard arrives in a persistent
+    fp32 tensor. With a ``master_dtype`` wider than the params, the inner optimizer steps a
+    persistent fp32 master copy of the local shard only (never of the whole model); after the
+    step the master is cast back into the param buffer's shard, which is all-gathered in the
+    params' dtype. See Note [Master copies] in ``local_shard`` for how params written by others
+    stay the truth.
 
 Note [Buckets that take part]
     A bucket takes part in an iteration's reduction when any of its params requires grad; which
@@ -32,10 +33,12 @@ Note [Bounded staging]
     ``STAGING_BUFFERS`` persistent buffers of the largest such bucket, used in turn. Before a
     buffer is overwritten, the writer waits for the collective that last read it: on CPU the host
     waits on that reduction's handle; on an accelerator the comm stream, where the cast runs,
-    waits for it (the host is not blocked). So at most two casts exist, whatever the number of
-    buckets, and the third bucket's cast starts only once the first bucket's collective is done:
-    with two buffers, one collective can run while the next bucket is cast. The values cast are
-    the same as before, so results are bitwise unchanged. The pool is reported by
+    waits for it (``Work.wait()`` with the comm stream current: on NCCL the host is not
+    blocked). So at most two casts exist, whatever the number of buckets, and the third bucket's
+    cast starts only once the first bucket's collective is done. On CPU that wait holds up the
+    backward hook that launches the third bucket when the first reduction is slower than the
+    backward between them: memory is bounded at the price of that much overlap. The values cast
+    are the same as before, so results are bitwise unchanged. The pool is reported by
     ``memory_bytes()["staging"]``.
 """
 
@@ -62,7 +65,8 @@ from sharded_opt.streams import (
 )
 
 STAGING_BUFFERS = 2
-"""Casts of grads to ``reduce_dtype`` that may exist at once, see Note [Bounded staging]."""
+"""Casts of grads to ``reduce_dtype`` that may exist at once: one read by a running collective
+while the next bucket is cast into the other. See Note [Bounded staging]."""
 
 
 class BucketCommunicator:

@@ -35,6 +35,37 @@ Note [Streams and events]
     * ``wait_comm``: before compute reads a buffer a collective wrote, the compute stream waits
       for that collective.
 
+    Grads of one bucket can be accumulated on several streams. The autograd engine runs each
+    leaf's accumulation (and its post-accumulate-grad hooks) on the stream of the op that used
+    the leaf in forward, so a bucket whose params were used on a side stream (a side-stream
+    block, MoE experts) is written by several streams, and the one current in the bucket's last
+    hook is only one of them. So in overlap mode each hook notes its current stream for its
+    bucket (``note_current_stream``: one comparison, as a bucket's grads nearly always come from
+    one stream; on CPU no hook notes anything), and the bucket's reduction makes the comm stream
+    wait on an event recorded on each noted stream, besides the current one (``wait_compute``'s
+    ``producers``). Recording at launch time is enough: every noted accumulation was already
+    enqueued when its hook ran. Streams noted inside ``no_sync()`` are kept until the bucket's
+    next reduction. Sync mode needs none of this: at the end of backward the engine makes the
+    stream that called ``backward()`` wait for every leaf's stream, and ``step()`` runs after it.
+
+    An all-gather's completion must reach every stream that reads the params, not once: the
+    first wait for a bucket (a forward pre-hook, ``sync_params``, ``step``) turns the handle into
+    an event (``record_completion``: the comm stream waits on the handle, which does not block
+    the host on NCCL, and an event is recorded there), kept until the bucket's next all-gather.
+    Every stream that waits for the bucket later waits on that event once
+    (``wait_event_once``): a forward run on another stream, a second consumer, or, before a
+    CUDA graph replay, ``ShardingStage1.wait_for_params(stream)``. A replay runs captured
+    kernels without running the hooks, and the event of the step before it is a new one, so a
+    replay must be preceded by that call on the replaying stream every time. Turning the handle
+    into an event at the first wait rather than right after the all-gather is issued keeps
+    ``step()`` from blocking the host on backends whose ``wait()`` does (gloo with device
+    tensors). On CPU the first wait blocks the host and host order covers every later reader.
+
+    The casts of grads to ``reduce_dtype`` reuse two staging buffers (Note [Bounded staging] in
+    ``bucket_comm``): before the comm stream overwrites one, it waits on the handle of the
+    reduction that last read it (``Work.wait()`` with the comm stream current), so the host is
+    not blocked and the cast is ordered after that collective.
+
     The comm stream has high priority (``priority=-1``, as FSDP2 gives its all-gather and
     reduce-scatter streams): its casts are short and sit on the critical path of a collective,
     so they should not queue behind long compute kernels.
