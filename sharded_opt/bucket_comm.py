@@ -154,7 +154,10 @@ class BucketCommunicator:
             else:
                 if reduced is not grad_buffer:
                     reduced.copy_(grad_buffer)
-                work = collectives.all_reduce_avg(reduced, self.group, async_op=True)
+                # ``.data`` has a version counter of its own: gloo's in-place average bumps the
+                # counter when it completes, which would read as a user's write to the grads (Note
+                # [Grads written after backward] in ``grad_hooks``); this write is the wrapper's.
+                work = collectives.all_reduce_avg(reduced.data, self.group, async_op=True)
         self._grad_works[bucket_index] = work
 
     def finish_grad_sync(self) -> None:
