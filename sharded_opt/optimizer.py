@@ -285,8 +285,8 @@ class ShardingStage1(torch.optim.Optimizer):
         params' all-gathers. Work that no hook sees needs this call first: a CUDA graph replay
         (its captured kernels read the params without running hooks; call it before every
         replay, on the stream that replays), or reads of params on another stream. Each stream
-        waits on an event recorded after each bucket's latest all-gather; the host is not
-        blocked. See Note [Streams and events] in ``sharded_opt/streams.py``.
+        waits on an event recorded after each bucket's latest all-gather; on NCCL the host
+        is not blocked. See Note [Streams and events] in ``sharded_opt/streams.py``.
 
         Raises:
             TypeError: ``stream`` is not a ``torch.Stream`` (or None).

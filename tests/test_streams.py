@@ -12,6 +12,7 @@ from fusion.layout import ParamSpec, plan_layout
 from sharded_opt import bucket_comm, collectives, streams
 from sharded_opt.grad_hooks import GradReadyTracker
 from sharded_opt.local_shard import resolve_precision
+from tests.fake_accelerator import FakeAccelerator, FakeEvent, FakeStream
 
 
 class _RecordedStream:
@@ -33,89 +34,15 @@ def test_no_comm_stream_on_cpu() -> None:
 
 # -- the accelerator path with fake streams and events ------------------------------------------
 #
-# Streams and events are replaced by fakes that log every record and wait in order; collectives
-# by fakes that log which stream was current when they were issued and return handles whose
-# wait() logs which stream waited. The communicator thus runs its accelerator path on CPU.
-
-
-class _FakeStream(torch.Stream):
-    def __new__(cls, accelerator: _FakeAccelerator, name: str) -> _FakeStream:
-        return super().__new__(cls, device="cpu")
-
-    def __init__(self, accelerator: _FakeAccelerator, name: str) -> None:
-        self.accelerator = accelerator
-        self.name = name
-        self.events = 0
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
-
-    def __ne__(self, other: object) -> bool:
-        return self is not other
-
-    __hash__ = object.__hash__
-
-    def wait_event(self, event: _FakeEvent) -> None:
-        self.accelerator.log.append(f"{self.name} waits {event.name}")
-
-    def __enter__(self) -> _FakeStream:
-        self.accelerator.previous.append(self.accelerator.current)
-        self.accelerator.current = self
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.accelerator.current = self.accelerator.previous.pop()
-
-
-class _FakeEvent:
-    def __init__(self, accelerator: _FakeAccelerator, device: torch.device) -> None:
-        self.accelerator = accelerator
-        self.device = device
-        self.name = "unrecorded"
-
-    def record(self, stream: _FakeStream) -> None:
-        stream.events += 1
-        self.name = f"{stream.name}#{stream.events}"
-        self.accelerator.log.append(f"record {self.name}")
-
-
-class _FakeWork:
-    def __init__(self, accelerator: _FakeAccelerator, name: str) -> None:
-        self.accelerator = accelerator
-        self.name = name
-
-    def wait(self) -> None:
-        self.accelerator.log.append(f"{self.accelerator.current.name} waits {self.name}")
-
-
-class _FakeAccelerator:
-    def __init__(self) -> None:
-        self.log: list[str] = []
-        self.previous: list[_FakeStream] = []
-        self.compute = _FakeStream(self, "compute")
-        self.comm = _FakeStream(self, "comm")
-        self.current = self.compute
-        self.issued = 0
-        self.inputs: list[torch.Tensor] = []
-
-    def current_stream(self, device: object = None) -> _FakeStream:
-        return self.current
-
-    def collective(self, kind: str):
-        def issue(output: torch.Tensor, input: torch.Tensor, group: object, async_op: bool) -> _FakeWork:
-            self.issued += 1
-            name = f"{kind}{self.issued}"
-            self.log.append(f"{name} on {self.current.name}")
-            self.inputs.append(input)
-            return _FakeWork(self, name)
-
-        return issue
+# Streams and events are replaced by the fakes of ``tests.fake_accelerator``: they log every
+# record and wait in order; collectives log which stream was current when they were issued and
+# return handles whose wait() logs which stream waited.
 
 
 @pytest.fixture
-def accelerator(monkeypatch: pytest.MonkeyPatch) -> _FakeAccelerator:
-    fake = _FakeAccelerator()
-    monkeypatch.setattr(torch, "Event", lambda device: _FakeEvent(fake, device))
+def accelerator(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
+    fake = FakeAccelerator()
+    monkeypatch.setattr(torch, "Event", lambda device: FakeEvent(fake, device))
     monkeypatch.setattr(torch.accelerator, "current_stream", fake.current_stream)
     monkeypatch.setattr(bucket_comm, "new_comm_stream", lambda device: fake.comm)
     monkeypatch.setattr(collectives, "reduce_scatter_avg", fake.collective("reduce_scatter"))
@@ -144,16 +71,16 @@ def _waits_before(log: list[str], entry: str, waiter: str) -> list[str]:
 
 
 def test_reduction_waits_for_every_stream_that_accumulated_grads_of_the_bucket(
-    accelerator: _FakeAccelerator,
+    accelerator: FakeAccelerator,
 ) -> None:
     params, comm = _communicator((8, 8))
     assert len(comm.buffers.plan.buckets) == 1
     tracker = GradReadyTracker(  # noqa: F841 (its hooks live as long as it does)
         comm.buffers, comm.materialize, comm.start_grad_sync, note_grad_stream=comm.note_grad_stream
     )
-    side = _FakeStream(accelerator, "side")
+    side = FakeStream(accelerator, "side")
 
-    def accumulate_on(stream: _FakeStream):
+    def accumulate_on(stream: FakeStream):
         def switch(grad: torch.Tensor) -> None:
             accelerator.current = stream  # the stream autograd accumulates this leaf's grad on
 
@@ -183,10 +110,10 @@ def test_grad_hooks_note_the_stream_in_no_sync_too() -> None:
 
 
 def test_every_stream_that_reads_params_waits_for_the_latest_all_gather(
-    accelerator: _FakeAccelerator,
+    accelerator: FakeAccelerator,
 ) -> None:
     _, comm = _communicator((8,))
-    side = _FakeStream(accelerator, "side")
+    side = FakeStream(accelerator, "side")
     comm.start_param_sync([0])
     assert accelerator.log[-1] == "all_gather1 on comm"
     accelerator.log.clear()
@@ -214,7 +141,7 @@ def test_every_stream_that_reads_params_waits_for_the_latest_all_gather(
 
 
 def test_casts_reuse_two_staging_buffers_each_behind_its_last_reader(
-    accelerator: _FakeAccelerator,
+    accelerator: FakeAccelerator,
 ) -> None:
     # bf16 grads reduced in fp32; 128 bf16 elements are 256 bytes, one bucket per param.
     _, comm = _communicator((256, 768, 256, 512), dtype=torch.bfloat16, bucket_size_bytes=256)

@@ -1,6 +1,7 @@
-"""Bounded memory and waits of the reduction and all-gather on CPU gloo ranks: casts of grads to
-``reduce_dtype`` share two staging buffers (Note [Bounded staging] in ``bucket_comm``), and
-``wait_for_params`` is ``sync_params`` on CPU."""
+"""The accelerator path's wrapper-level behaviour on CPU gloo ranks: casts of grads to
+``reduce_dtype`` share two staging buffers (Note [Bounded staging] in ``bucket_comm``),
+``wait_for_params`` is ``sync_params`` on CPU, and in overlap mode the wrapper's grad hooks make
+the reduction wait for every stream that accumulated grads (with the fakes of ``tests.fake_accelerator``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy, bucket_comm, collectives
 from tests.dist_helper import run_ranks
+from tests.fake_accelerator import FakeAccelerator, FakeEvent, FakeStream
 
 
 def _bf16_model() -> torch.nn.Module:
@@ -55,10 +57,35 @@ def _train_recording_casts(overlap: bool) -> dict:
     }
 
 
+def _streams_the_reduction_waited_for() -> set[str]:
+    """Overlap mode on fake streams: a Linear whose weight's grad is accumulated on a side stream
+    and its bias's (same bucket) on the compute stream."""
+    fake = FakeAccelerator()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "Event", lambda device: FakeEvent(fake, device))
+        patch.setattr(torch.accelerator, "current_stream", fake.current_stream)
+        patch.setattr(bucket_comm, "new_comm_stream", lambda device: fake.comm)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True)
+        assert len(optimizer.plan.buckets) == 1
+        side = FakeStream(fake, "side")
+        model.weight.register_hook(lambda grad: setattr(fake, "current", side))
+        model.bias.register_hook(lambda grad: setattr(fake, "current", fake.compute))
+        model(torch.ones(2, 4)).sum().backward()
+        waited = {
+            line.split(" waits ")[1].split("#")[0] for line in fake.log if line.startswith("comm waits")
+        }
+        fake.current = fake.compute
+        optimizer.step()
+    return waited
+
+
 def _all_checks() -> dict:
     return {
         "staging": [_train_recording_casts(overlap) for overlap in (False, True)],
         "wait_for_params": _wait_for_params(),
+        "streams": _streams_the_reduction_waited_for(),
     }
 
 
@@ -120,3 +147,10 @@ def test_wait_for_params_on_cpu_is_sync_params_and_checks_its_stream(per_rank: l
         "one on meta; pass a stream of cpu or stream=None"
     )
     assert "were written while step()'s all-gather" in written and "opt.sync_params()" in written
+
+
+def test_overlap_reduction_waits_for_each_stream_that_accumulated_the_buckets_grads(
+    per_rank: list[dict],
+) -> None:
+    for rank in per_rank:
+        assert rank["streams"] == {"compute", "side"}
