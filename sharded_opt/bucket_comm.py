@@ -8,12 +8,13 @@ same collectives on the very same buffers, which is why their results are bitwis
 Note [Mixed precision]
     Params and their grads live in the params' own dtype (bf16, say) in the flat buffers:
     autograd needs a grad of the param's dtype. Grads are reduced in ``reduce_dtype`` (fp32 by
-    default for 16-bit params): a bf16 bucket is cast to a temporary fp32 copy that the
-    collective reads, and the averaged shard arrives in a persistent fp32 tensor. With a
-    ``master_dtype`` wider than the params, the inner optimizer steps a persistent fp32 master
-    copy of the local shard only (never of the whole model); after the step the master is cast
-    back into the param buffer's shard, which is all-gathered in the params' dtype. See Note
-    [Master copies] in ``local_shard`` for how params written by others stay the truth.
+    default for 16-bit params): a bf16 bucket is cast into an fp32 staging buffer that the
+    collective reads (Note [Bounded staging]), and the averaged shard arrives in a persistent
+    fp32 tensor. With a ``master_dtype`` wider than the params, the inner optimizer steps a
+    persistent fp32 master copy of the local shard only (never of the whole model); after the
+    step the master is cast back into the param buffer's shard, which is all-gathered in the
+    params' dtype. See Note [Master copies] in ``local_shard`` for how params written by others
+    stay the truth.
 
 Note [Buckets that take part]
     A bucket takes part in an iteration's reduction when any of its params requires grad; which
@@ -22,6 +23,23 @@ Note [Buckets that take part]
     buffer and no local shard until one of them is unfrozen (:meth:`BucketCommunicator.materialize`).
     A bucket is all-gathered after a step only if the step changed it: some param of it got a
     grad on some rank (agreed over the group, so again the same on every rank).
+
+Note [Bounded staging]
+    A bucket whose grads are cast to ``reduce_dtype`` before the reduce-scatter (bf16 grads
+    reduced in fp32) needs a bucket-sized input in that dtype that lives until the collective has
+    read it. Allocating one per bucket and keeping each until ``finish_grad_sync`` holds a cast of
+    every bucket at once at the end of backward: a full fp32 copy of the grads (4 bytes per
+    param) that ``memory_bytes()`` did not show. Instead the casts go into a pool of at most
+    ``STAGING_BUFFERS`` persistent buffers of the largest such bucket, used in turn. Before a
+    buffer is overwritten, the writer waits for the collective that last read it: on CPU the host
+    waits on that reduction's handle; on an accelerator the comm stream, where the cast runs,
+    waits for it (``Work.wait()`` with the comm stream current: on NCCL the host is not
+    blocked). So at most two casts exist, whatever the number of buckets, and the third bucket's
+    cast starts only once the first bucket's collective is done. On CPU that wait holds up the
+    backward hook that launches the third bucket when the first reduction is slower than the
+    backward between them: memory is bounded at the price of that much overlap. The values cast
+    are the same as before, so results are bitwise unchanged. The pool is reported by
+    ``memory_bytes()["staging"]``.
 """
 
 from __future__ import annotations
@@ -36,7 +54,19 @@ from torch.futures import Future
 from fusion.buffers import FlatBuffers
 from sharded_opt import collectives
 from sharded_opt.local_shard import BucketPrecision, LocalShard, build_local_shard
-from sharded_opt.streams import new_comm_stream, on_stream, wait_comm, wait_compute
+from sharded_opt.streams import (
+    new_comm_stream,
+    note_current_stream,
+    on_stream,
+    record_completion,
+    wait_comm,
+    wait_compute,
+    wait_event_once,
+)
+
+STAGING_BUFFERS = 2
+"""Casts of grads to ``reduce_dtype`` that may exist at once: one read by a running collective
+while the next bucket is cast into the other. See Note [Bounded staging]."""
 
 
 class BucketCommunicator:
@@ -67,8 +97,14 @@ class BucketCommunicator:
         self.stream = new_comm_stream(buffers.plan.buckets[0].device)
         num_buckets = len(buffers.plan.buckets)
         self._grad_works: list[Work | Future | None] = [None] * num_buckets
-        self._reduce_inputs: list[Tensor | None] = [None] * num_buckets
+        self._grad_streams: list[list[torch.Stream]] = [[] for _ in range(num_buckets)]
+        """Per bucket, the streams its grads were accumulated on since its last reduction."""
+        self._staging = _StagingPool(buffers.plan.buckets[0].device)
         self._param_works: list[Work | None] = [None] * num_buckets
+        self._param_events: list[torch.Event | None] = [None] * num_buckets
+        """Per bucket, an event after its latest all-gather (accelerators only)."""
+        self._param_waited: list[list[torch.Stream]] = [[] for _ in range(num_buckets)]
+        """Per bucket, the streams that already waited on its ``_param_events`` entry."""
         self.shards: list[LocalShard | None] = [None] * num_buckets
         """Per bucket, what this rank steps; None until the bucket has a grad buffer."""
         for bucket in buffers.plan.buckets:
@@ -85,6 +121,8 @@ class BucketCommunicator:
         grad_buffer = self.buffers.grad_buffers[bucket_index]
         if self.sharded:
             reduced = torch.zeros(bucket.shard_numel, dtype=precision.reduce_dtype, device=bucket.device)
+            if grad_buffer.dtype != reduced.dtype:
+                self._staging.reserve(bucket.padded_numel * reduced.element_size())
         elif self.world_size > 1 and precision.reduce_dtype != precision.param_dtype:
             reduced = torch.zeros_like(grad_buffer, dtype=precision.reduce_dtype)
         else:
@@ -93,27 +131,33 @@ class BucketCommunicator:
         self.shards[bucket_index] = shard
         return shard
 
+    def note_grad_stream(self, bucket_index: int) -> None:
+        """Remember the current stream as one that accumulated grads of the bucket (called by
+        the grad hooks in overlap mode, on accelerators only), see Note [Streams and events]."""
+        note_current_stream(self._grad_streams[bucket_index], self.stream.device)
+
     def start_grad_sync(self, bucket_index: int) -> None:
         """Issue the bucket's grad reduction; its input must be final (see Note [Streams and events])."""
         if self.world_size == 1:
             return
         shard = self._shard(bucket_index)
-        wait_compute(self.stream)
+        producers, self._grad_streams[bucket_index] = self._grad_streams[bucket_index], []
+        wait_compute(self.stream, producers)
         grad_buffer = self.buffers.grad_buffers[bucket_index]
         reduced = shard.reduced_grad
         with on_stream(self.stream):
             if self.sharded:
-                # The cast runs on the comm stream and its result is kept until finish_grad_sync,
-                # so the caching allocator cannot reuse it while the collective reads it.
-                reduce_input = (
-                    grad_buffer if grad_buffer.dtype == reduced.dtype else grad_buffer.to(reduced.dtype)
-                )
-                work = collectives.reduce_scatter_avg(reduced, reduce_input, self.group, async_op=True)
-                self._reduce_inputs[bucket_index] = reduce_input
+                if grad_buffer.dtype == reduced.dtype:
+                    work = collectives.reduce_scatter_avg(reduced, grad_buffer, self.group, async_op=True)
+                else:
+                    work = self._reduce_scatter_cast(reduced, grad_buffer)
             else:
                 if reduced is not grad_buffer:
                     reduced.copy_(grad_buffer)
-                work = collectives.all_reduce_avg(reduced, self.group, async_op=True)
+                # ``.data`` has a version counter of its own: gloo's in-place average bumps the
+                # counter when it completes, which would read as a user's write to the grads (Note
+                # [Grads written after backward] in ``grad_hooks``); this write is the wrapper's.
+                work = collectives.all_reduce_avg(reduced.data, self.group, async_op=True)
         self._grad_works[bucket_index] = work
 
     def finish_grad_sync(self) -> None:
@@ -121,7 +165,8 @@ class BucketCommunicator:
         then final."""
         works, self._grad_works = self._grad_works, [None] * len(self._grad_works)
         wait_comm(works)
-        self._reduce_inputs = [None] * len(self._reduce_inputs)
+        # Compute waited for every reduction, and comm-stream work starts behind compute.
+        self._staging.forget_readers()
         for shard in self.shards:
             if shard is not None:
                 shard.copy_reduced_to_stepped_grad()
@@ -141,6 +186,8 @@ class BucketCommunicator:
         wait_compute(self.stream)
         with on_stream(self.stream):
             for bucket_index in buckets:
+                self._param_events[bucket_index] = None
+                self._param_waited[bucket_index] = []
                 self._param_works[bucket_index] = collectives.all_gather(
                     self.buffers.param_buffers[bucket_index],
                     self._shard(bucket_index).param_view,
@@ -149,13 +196,21 @@ class BucketCommunicator:
                 )
 
     def finish_param_sync(self, bucket_indices: Iterable[int] | None = None) -> None:
-        """Make compute wait for the pending all-gathers of ``bucket_indices`` (default: all)."""
+        """Make the current stream (on CPU: the host) wait for the latest all-gathers of
+        ``bucket_indices`` (default: all).
+
+        The first call after an all-gather turns its handle into an event on the comm stream,
+        kept until the bucket's next all-gather; every stream that calls this later waits on
+        that event once (forwards on several streams, a second consumer, before a CUDA-graph
+        replay). See Note [Streams and events].
+        """
         indices = range(len(self._param_works)) if bucket_indices is None else bucket_indices
         for index in indices:
             work = self._param_works[index]
             if work is not None:
                 self._param_works[index] = None
-                work.wait()
+                self._param_events[index] = record_completion(work, self.stream)
+            wait_event_once(self._param_events[index], self._param_waited[index])
 
     def pending_param_buckets(self) -> list[int]:
         """Buckets whose updated params are still being all-gathered."""
@@ -176,6 +231,18 @@ class BucketCommunicator:
         }
         return list(tensors.values())
 
+    def staging_bytes(self) -> int:
+        """Bytes of the staging pool, see Note [Bounded staging]."""
+        return self._staging.nbytes
+
+    def _reduce_scatter_cast(self, reduced: Tensor, grad_buffer: Tensor) -> Work | Future | None:
+        """Cast the grads into a staging buffer and reduce-scatter that; on the comm stream."""
+        slot, staging = self._staging.acquire(grad_buffer.numel(), reduced.dtype)
+        staging.copy_(grad_buffer)
+        work = collectives.reduce_scatter_avg(reduced, staging, self.group, async_op=True)
+        self._staging.read_by(slot, work)
+        return work
+
     def local_grads(self) -> list[Tensor]:
         """The reduced grads the optimizer steps, one flat tensor per materialized bucket."""
         return [shard.stepped_grad for shard in self.live_shards()]
@@ -185,3 +252,57 @@ class BucketCommunicator:
         if shard is None:
             raise RuntimeError(f"BucketCommunicator: bucket {bucket_index} has no local shard")
         return shard
+
+
+class _StagingPool:
+    """Reduction inputs for buckets whose grads are cast, reused in turn; see Note [Bounded
+    staging]. Buffers are raw bytes viewed in the dtype asked for, so buckets of different
+    dtypes share them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._bucket_bytes = 0
+        self._num_users = 0
+        self._buffers: list[Tensor | None] = []
+        self._readers: list[Work | Future | None] = []
+        self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.numel() for buffer in self._buffers if buffer is not None)
+
+    def reserve(self, bucket_bytes: int) -> None:
+        """A bucket of ``bucket_bytes`` (in the reduce dtype) will be staged here."""
+        self._num_users += 1
+        self._bucket_bytes = max(self._bucket_bytes, bucket_bytes)
+
+    def acquire(self, numel: int, dtype: torch.dtype) -> tuple[int, Tensor]:
+        """A buffer of ``numel`` elements of ``dtype`` that no collective reads any more, and its
+        slot; the current stream (the comm stream, or the host on CPU) waited for its last reader."""
+        if len(self._buffers) < min(STAGING_BUFFERS, self._num_users):
+            self._buffers.append(None)
+            self._readers.append(None)
+        slot = self._next % len(self._buffers)
+        self._next = slot + 1
+        reader, self._readers[slot] = self._readers[slot], None
+        wait_comm([reader])
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < self._bucket_bytes:
+            self._buffers[slot] = None  # free the smaller one before allocating
+            buffer = torch.empty(self._bucket_bytes, dtype=torch.uint8, device=self._device)
+            self._buffers[slot] = buffer
+        nbytes = numel * dtype.itemsize
+        if nbytes > buffer.numel():
+            raise RuntimeError(
+                f"BucketCommunicator: a bucket of {nbytes} bytes to stage but the pool was sized "
+                f"for {buffer.numel()}; every staged bucket must be reserved first"
+            )
+        return slot, buffer[:nbytes].view(dtype)
+
+    def read_by(self, slot: int, work: Work | Future | None) -> None:
+        """The collective ``work`` reads the buffer of ``slot`` until it completes."""
+        self._readers[slot] = work
+
+    def forget_readers(self) -> None:
+        """Every reader completed and the stream that writes next is ordered after them."""
+        self._readers = [None] * len(self._readers)

@@ -84,6 +84,9 @@ class GradReadyTracker:
         start_grad_sync: issues one bucket's reduction; called once per taking-part bucket per
             iteration, in bucket order. None (sync mode): only record grads.
         on_all_launched: called once per iteration right after the last bucket was launched.
+        note_grad_stream: called with the bucket index from every hook that accumulated a grad
+            (no_sync included), so the bucket's reduction can wait for every stream that wrote
+            its grads; None on CPU and in sync mode. See Note [Streams and events].
     """
 
     def __init__(
@@ -92,11 +95,13 @@ class GradReadyTracker:
         materialize: Callable[[int], None],
         start_grad_sync: Callable[[int], None] | None = None,
         on_all_launched: Callable[[], None] | None = None,
+        note_grad_stream: Callable[[int], None] | None = None,
     ) -> None:
         self._buffers = buffers
         self._materialize = materialize
         self._start_grad_sync = start_grad_sync
         self._on_all_launched = on_all_launched
+        self._note_grad_stream = note_grad_stream
         self._buckets = buffers.plan.buckets
         num_params = len(buffers.params)
         self._bucket_of = [-1] * num_params
@@ -201,6 +206,8 @@ class GradReadyTracker:
         self._buffers.adopt_grad(param_index)
         self.received[param_index] = 1
         self._grad_versions[bucket_index] = self._buffers.grad_buffers[bucket_index]._version
+        if self._note_grad_stream is not None:
+            self._note_grad_stream(bucket_index)
         if not self._scanned:
             self.scan()
         if self._start_grad_sync is None or self.accumulate_only:

@@ -28,6 +28,7 @@ from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, hyperp
 from sharded_opt.local_shard import resolve_precision
 from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter
 from sharded_opt.strategy import Strategy
+from sharded_opt.streams import on_stream
 from sharded_opt.validation import (
     check_optimizer,
     check_same_layout,
@@ -128,6 +129,7 @@ class ShardingStage1(torch.optim.Optimizer):
             self._materialize,
             self._comm.start_grad_sync if self.overlap else None,
             self._start_presence_sync if self.overlap else None,
+            self._comm.note_grad_stream if self.overlap and self._comm.stream is not None else None,
         )
         self._presence: tuple[torch.Tensor, Any] | None = None
         self._local_presence = bytearray(len(params))
@@ -275,6 +277,37 @@ class ShardingStage1(torch.optim.Optimizer):
         else:
             self._param_waiter.finish()
 
+    def wait_for_params(self, stream: torch.Stream | None = None) -> None:
+        """Make ``stream`` (default: the current stream) wait until every param holds its updated
+        value; on CPU this is :meth:`sync_params`.
+
+        Forward pre-hooks make the stream running each module's forward wait for its own
+        params' all-gathers. Work that no hook sees needs this call first: a CUDA graph replay
+        (its captured kernels read the params without running hooks; call it before every
+        replay, on the stream that replays), or reads of params on another stream. Each stream
+        waits on an event recorded after each bucket's latest all-gather; on NCCL the host
+        is not blocked. See Note [Streams and events] in ``sharded_opt/streams.py``.
+
+        Raises:
+            TypeError: ``stream`` is not a ``torch.Stream`` (or None).
+            ValueError: ``stream`` is on another device than the params.
+            RuntimeError: a param was written while it was still being all-gathered, see
+                Note [Writes while params are gathered].
+        """
+        device = self.plan.buckets[0].device
+        if stream is not None and not isinstance(stream, torch.Stream):
+            raise TypeError(
+                f"ShardingStage1.wait_for_params expects stream to be a torch.Stream or None but got "
+                f"{type(stream).__name__}; pass e.g. torch.cuda.current_stream()"
+            )
+        if stream is not None and stream.device != device:
+            raise ValueError(
+                f"ShardingStage1.wait_for_params expects a stream on the params' device {device} but "
+                f"got one on {stream.device}; pass a stream of {device} or stream=None"
+            )
+        with on_stream(None if self._comm.stream is None else stream):
+            self.sync_params()
+
     def attach(self, model: nn.Module) -> None:
         """Make ``model`` start equal on every rank and let its forward wait per module for its
         own params' all-gathers.
@@ -349,12 +382,13 @@ class ShardingStage1(torch.optim.Optimizer):
         )
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for training, by kind (persistent tensors only; a bucket-sized
-        cast during a low-precision grad reduction is transient).
+        """Bytes this rank holds for training, by kind.
 
         Keys: ``params`` and ``grads`` (the flat buffers, padding included), ``reduced_grads``
         (the averaged grads the optimizer steps, when not the grad buffer itself), ``master``
-        (master copies of the local shard), ``optimizer_state``.
+        (master copies of the local shard), ``optimizer_state``, ``staging`` (casts of grads to
+        ``reduce_dtype`` for the reduce-scatter: at most two buffers of the largest such bucket,
+        allocated at the first reduction, see Note [Bounded staging] in ``bucket_comm``).
         """
 
         def nbytes(tensors) -> int:
@@ -366,6 +400,7 @@ class ShardingStage1(torch.optim.Optimizer):
             "reduced_grads": nbytes(self._comm.reduced_grad_tensors()),
             "master": nbytes(s.master for s in self._comm.live_shards() if s.master is not None),
             "optimizer_state": self.optimizer_state_bytes(),
+            "staging": self._comm.staging_bytes(),
         }
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

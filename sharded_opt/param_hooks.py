@@ -12,6 +12,10 @@ Note [No stale params]
     collectives must be. ``module.state_dict()`` and ``module.load_state_dict()`` wait the same
     way (a pre-hook on the same modules), so saving reads and loading writes final params.
 
+    On an accelerator a wait makes the stream current in the hook wait (on an event recorded
+    after the bucket's all-gather, see Note [Streams and events]), so a forward run on another
+    stream than the last one waits too; each stream waits once per all-gather.
+
     The contract: a module's own params are current when its forward starts. Code that reads
     params outside the forward of the module that owns them (evaluation code reading weights,
     a parent module reaching into a child's weight, ``AveragedModel.update_parameters``) must

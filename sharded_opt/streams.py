@@ -35,6 +35,37 @@ Note [Streams and events]
     * ``wait_comm``: before compute reads a buffer a collective wrote, the compute stream waits
       for that collective.
 
+    Grads of one bucket can be accumulated on several streams. The autograd engine runs each
+    leaf's accumulation (and its post-accumulate-grad hooks) on the stream of the op that used
+    the leaf in forward, so a bucket whose params were used on a side stream (a side-stream
+    block, MoE experts) is written by several streams, and the one current in the bucket's last
+    hook is only one of them. So in overlap mode each hook notes its current stream for its
+    bucket (``note_current_stream``: one comparison, as a bucket's grads nearly always come from
+    one stream; on CPU no hook notes anything), and the bucket's reduction makes the comm stream
+    wait on an event recorded on each noted stream, besides the current one (``wait_compute``'s
+    ``producers``). Recording at launch time is enough: every noted accumulation was already
+    enqueued when its hook ran. Streams noted inside ``no_sync()`` are kept until the bucket's
+    next reduction. Sync mode needs none of this: at the end of backward the engine makes the
+    stream that called ``backward()`` wait for every leaf's stream, and ``step()`` runs after it.
+
+    An all-gather's completion must reach every stream that reads the params, not once: the
+    first wait for a bucket (a forward pre-hook, ``sync_params``, ``step``) turns the handle into
+    an event (``record_completion``: the comm stream waits on the handle, which does not block
+    the host on NCCL, and an event is recorded there), kept until the bucket's next all-gather.
+    Every stream that waits for the bucket later waits on that event once
+    (``wait_event_once``): a forward run on another stream, a second consumer, or, before a
+    CUDA graph replay, ``ShardingStage1.wait_for_params(stream)``. A replay runs captured
+    kernels without running the hooks, and the event of the step before it is a new one, so a
+    replay must be preceded by that call on the replaying stream every time. Turning the handle
+    into an event at the first wait rather than right after the all-gather is issued keeps
+    ``step()`` from blocking the host on backends whose ``wait()`` does (gloo with device
+    tensors). On CPU the first wait blocks the host and host order covers every later reader.
+
+    The casts of grads to ``reduce_dtype`` reuse two staging buffers (Note [Bounded staging] in
+    ``bucket_comm``): before the comm stream overwrites one, it waits on the handle of the
+    reduction that last read it (``Work.wait()`` with the comm stream current), so the host is
+    not blocked and the cast is ordered after that collective.
+
     The comm stream has high priority (``priority=-1``, as FSDP2 gives its all-gather and
     reduce-scatter streams): its casts are short and sit on the critical path of a collective,
     so they should not queue behind long compute kernels.
@@ -91,19 +122,70 @@ def on_stream(stream: torch.Stream | None) -> Iterator[None]:
         yield
 
 
-def wait_compute(comm_stream: torch.Stream | None) -> torch.Event | None:
-    """Make ``comm_stream`` wait for all work queued so far on the current compute stream.
+def wait_compute(
+    comm_stream: torch.Stream | None, producers: Iterable[torch.Stream] = ()
+) -> torch.Event | None:
+    """Make ``comm_stream`` wait for all work queued so far on the current compute stream and
+    on each of ``producers`` (other streams that wrote part of the input, e.g. grads accumulated
+    by backward ops on side streams).
 
-    Records an event on the compute stream and makes the comm stream wait on it; the host is not
-    blocked. Returns the event (None on CPU, where host order already implies the dependency).
-    See Note [Streams and events].
+    Records an event on each of those streams and makes the comm stream wait on it; the host is
+    not blocked. Returns the current stream's event (None on CPU, where host order already
+    implies the dependency). See Note [Streams and events].
     """
     if comm_stream is None:
         return None
     compute_stream = torch.accelerator.current_stream(comm_stream.device)
-    event = torch.Event(device=comm_stream.device)
-    event.record(compute_stream)
+    event = _recorded_event(compute_stream)
     comm_stream.wait_event(event)
+    for stream in producers:
+        if stream != compute_stream and stream != comm_stream:
+            comm_stream.wait_event(_recorded_event(stream))
+    return event
+
+
+def note_current_stream(seen: list[torch.Stream], device: torch.device) -> None:
+    """Add ``device``'s current stream to ``seen`` unless it is there already.
+
+    Called once per grad in backward hooks: ``seen`` usually holds one stream, so this is one
+    comparison. See Note [Streams and events].
+    """
+    stream = torch.accelerator.current_stream(device)
+    if stream not in seen:
+        seen.append(stream)
+
+
+def record_completion(work: Work | Future, comm_stream: torch.Stream | None) -> torch.Event | None:
+    """Turn a collective's handle into an event that any stream can wait on, any number of times.
+
+    ``Work.wait()`` orders only the stream current at the call, once; so the comm stream waits
+    for the collective and an event is recorded there after that wait. The host is not blocked
+    on backends whose ``wait()`` only orders streams (NCCL). On CPU the host waits for the
+    collective and None is returned: host order then covers every later reader. See Note
+    [Streams and events].
+    """
+    if comm_stream is None:
+        work.wait()
+        return None
+    with comm_stream:
+        work.wait()
+    return _recorded_event(comm_stream)
+
+
+def wait_event_once(event: torch.Event | None, waited: list[torch.Stream]) -> None:
+    """Make the current stream wait on ``event`` unless it is in ``waited`` (streams that
+    already waited on this very event); then it is. Nothing to do for None (CPU)."""
+    if event is None:
+        return
+    stream = torch.accelerator.current_stream(event.device)
+    if stream not in waited:
+        stream.wait_event(event)
+        waited.append(stream)
+
+
+def _recorded_event(stream: torch.Stream) -> torch.Event:
+    event = torch.Event(device=stream.device)
+    event.record(stream)
     return event
 
 

@@ -1,0 +1,156 @@
+"""The accelerator path's wrapper-level behaviour on CPU gloo ranks: casts of grads to
+``reduce_dtype`` share two staging buffers (Note [Bounded staging] in ``bucket_comm``),
+``wait_for_params`` is ``sync_params`` on CPU, and in overlap mode the wrapper's grad hooks make
+the reduction wait for every stream that accumulated grads (with the fakes of ``tests.fake_accelerator``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy, bucket_comm, collectives
+from tests.dist_helper import run_ranks
+from tests.fake_accelerator import FakeAccelerator, FakeEvent, FakeStream
+
+
+def _bf16_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 32), torch.nn.Linear(32, 64), torch.nn.Linear(64, 16)]
+    return torch.nn.Sequential(*layers).to(torch.bfloat16)
+
+
+def _train_recording_casts(overlap: bool) -> dict:
+    model = _bf16_model()
+    optimizer = ShardingStage1(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        overlap=overlap,
+        model=model,
+        strategy=Strategy(sharding=ShardingConfig(bucket_size_mb=1e-3, master_dtype=torch.float32)),
+    )
+    casts: list[tuple[int, int]] = []
+    original = collectives.reduce_scatter_avg
+
+    def recording(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+        if input.dtype == torch.float32:  # a cast of bf16 grads, not a grad buffer
+            casts.append((input.untyped_storage().data_ptr(), input.numel() * input.element_size()))
+        return original(output, input, group, async_op)
+
+    collectives.reduce_scatter_avg = recording
+    try:
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(
+                torch.randn(4, 16, generator=generator).to(torch.bfloat16)
+            ).float().square().mean().backward()
+            optimizer.step()
+        optimizer.sync_params()
+    finally:
+        collectives.reduce_scatter_avg = original
+    return {
+        "num_buckets": len(optimizer.plan.buckets),
+        "largest_bucket_fp32_bytes": max(bucket.padded_numel for bucket in optimizer.plan.buckets) * 4,
+        "casts": casts,
+        "staging_bytes": optimizer.memory_bytes()["staging"],
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def _streams_the_reduction_waited_for() -> set[str]:
+    """Overlap mode on fake streams: a Linear whose weight's grad is accumulated on a side stream
+    and its bias's (same bucket) on the compute stream."""
+    fake = FakeAccelerator()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "Event", lambda device: FakeEvent(fake, device))
+        patch.setattr(torch.accelerator, "current_stream", fake.current_stream)
+        patch.setattr(bucket_comm, "new_comm_stream", lambda device: fake.comm)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True)
+        assert len(optimizer.plan.buckets) == 1
+        side = FakeStream(fake, "side")
+        model.weight.register_hook(lambda grad: setattr(fake, "current", side))
+        model.bias.register_hook(lambda grad: setattr(fake, "current", fake.compute))
+        model(torch.ones(2, 4)).sum().backward()
+        waited = {
+            line.split(" waits ")[1].split("#")[0] for line in fake.log if line.startswith("comm waits")
+        }
+        fake.current = fake.compute
+        optimizer.step()
+    return waited
+
+
+def _all_checks() -> dict:
+    return {
+        "staging": [_train_recording_casts(overlap) for overlap in (False, True)],
+        "wait_for_params": _wait_for_params(),
+        "streams": _streams_the_reduction_waited_for(),
+    }
+
+
+@pytest.fixture(scope="module")
+def per_rank() -> list[dict]:
+    """One spawn for the whole module: starting ranks costs more than the checks."""
+    return run_ranks(_all_checks, 2)
+
+
+def test_casts_share_two_buffers_of_the_largest_bucket_and_results_are_unchanged(
+    per_rank: list[dict],
+) -> None:
+    for sync, overlap in (rank["staging"] for rank in per_rank):
+        for run in (sync, overlap):
+            assert run["num_buckets"] >= 5
+            assert len(run["casts"]) == 3 * run["num_buckets"]
+            assert len({pointer for pointer, _ in run["casts"]}) == 2
+            assert max(nbytes for _, nbytes in run["casts"]) == run["largest_bucket_fp32_bytes"]
+            assert run["staging_bytes"] == 2 * run["largest_bucket_fp32_bytes"]
+        for a, b in zip(sync["params"], overlap["params"], strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(per_rank[0]["staging"][1]["params"], per_rank[1]["staging"][1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def _wait_for_params() -> dict:
+    model = _bf16_model().float()
+    optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True, model=model)
+    model(torch.ones(2, 16)).sum().backward()
+    optimizer.step()
+    pending_after_step = optimizer._comm.pending_param_buckets()
+    optimizer.wait_for_params(torch.Stream(device="cpu"))
+    pending_after_wait = optimizer._comm.pending_param_buckets()
+    errors = []
+    for stream in ("cuda", torch.Stream(device="meta")):
+        with pytest.raises((TypeError, ValueError)) as raised:
+            optimizer.wait_for_params(stream)
+        errors.append(f"{raised.type.__name__}: {raised.value}")
+    optimizer.step()
+    with torch.no_grad():
+        model[0].weight.zero_()  # written while its all-gather may still run
+    with pytest.raises(RuntimeError) as raised:
+        optimizer.wait_for_params()
+    errors.append(str(raised.value))
+    return {"pending": (pending_after_step, pending_after_wait), "errors": errors}
+
+
+def test_wait_for_params_on_cpu_is_sync_params_and_checks_its_stream(per_rank: list[dict]) -> None:
+    result = per_rank[0]["wait_for_params"]
+    pending_after_step, pending_after_wait = result["pending"]
+    assert pending_after_step and not pending_after_wait
+    type_error, value_error, written = result["errors"]
+    assert type_error == (
+        "TypeError: ShardingStage1.wait_for_params expects stream to be a torch.Stream or None but got "
+        "str; pass e.g. torch.cuda.current_stream()"
+    )
+    assert value_error == (
+        "ValueError: ShardingStage1.wait_for_params expects a stream on the params' device cpu but got "
+        "one on meta; pass a stream of cpu or stream=None"
+    )
+    assert "were written while step()'s all-gather" in written and "opt.sync_params()" in written
+
+
+def test_overlap_reduction_waits_for_each_stream_that_accumulated_the_buckets_grads(
+    per_rank: list[dict],
+) -> None:
+    for rank in per_rank:
+        assert rank["streams"] == {"compute", "side"}
