@@ -75,6 +75,34 @@ def _train_plain(make_optimizer, steps: int, before_step=None):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _run_jobs(jobs: list[tuple[str, object, tuple]]) -> dict[str, object]:
+    return {name: fn(*args) for name, fn, args in jobs}
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(tmp_path_factory) -> dict[str, list]:
+    """Every multi-rank habit of this file in one 2-rank job (starting ranks costs seconds);
+    maps a job name to its per-rank results."""
+    state, params, _, _ = _plain_run_with_different_step_counts()
+    folder = tmp_path_factory.mktemp("checkpoints")
+    jobs: list[tuple[str, object, tuple]] = []
+    for overlap in (False, True):
+        for habit in (_freeze_expert_at_step_2, _skip_expert_from_step_2):
+            jobs.append((f"{habit.__name__}-{overlap}", _train_sharded, (_adamw, 6, habit, overlap)))
+        jobs.append(
+            (f"unfreeze-{overlap}", _train_sharded, (_frozen_at_wrap, 5, _unfreeze_expert_at_step_2, overlap))
+        )
+    jobs.append(("resume", _resume_from_plain_state, (state, params)))
+    for write in ("none", "noop_inplace", "data_clamp"):
+        jobs.append((f"bf16-{write}", _bf16_written_param, (write,)))
+    jobs.append(("fp64", _fp64_master_run, ()))
+    for lr_kind in ("int", "tensor"):
+        jobs.append((f"lr-{lr_kind}", _checkpoint_lr_types, (str(folder / f"lr-{lr_kind}"), lr_kind)))
+    jobs.append(("int_lr", _int_lr_survives, (str(folder / "int_lr"),)))
+    per_rank = run_ranks(_run_jobs, 2, jobs)
+    return {name: [results[name] for results in per_rank] for name, _, _ in jobs}
+
+
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
@@ -103,9 +131,9 @@ def _unfreeze_expert_at_step_2(model: nn.Module, step: int) -> None:
     [_freeze_expert_at_step_2, _skip_expert_from_step_2],
     ids=["frozen_after_wrap", "unused_on_all_ranks"],
 )
-def test_params_without_grad_on_every_rank_are_left_untouched(habit, overlap: bool) -> None:
+def test_params_without_grad_on_every_rank_are_left_untouched(on_two_ranks, habit, overlap: bool) -> None:
     """Observation 1: no weight decay, no momentum, no step for a param nobody gave a grad."""
-    results = run_ranks(_train_sharded, 2, _adamw, 6, habit, overlap)
+    results = on_two_ranks[f"{habit.__name__}-{overlap}"]
     expected = _train_plain(_adamw, 6, habit)
     for history in results:
         _assert_all_close(history[-1], expected)
@@ -120,9 +148,9 @@ def _frozen_at_wrap(model: nn.Module) -> torch.optim.Optimizer:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_param_frozen_at_wrap_and_unfrozen_later_is_stepped(overlap: bool) -> None:
+def test_param_frozen_at_wrap_and_unfrozen_later_is_stepped(on_two_ranks, overlap: bool) -> None:
     """Observation 2: gradual unfreezing."""
-    results = run_ranks(_train_sharded, 2, _frozen_at_wrap, 5, _unfreeze_expert_at_step_2, overlap)
+    results = on_two_ranks[f"unfreeze-{overlap}"]
     expected = _train_plain(_frozen_at_wrap, 5, _unfreeze_expert_at_step_2)
     initial = [p.detach() for p in TwoLayers().parameters()]
     assert not torch.equal(expected[2], initial[2])
@@ -149,8 +177,9 @@ def _to_bytes(obj) -> bytes:
     return buffer.getvalue()
 
 
-def test_each_param_keeps_its_own_step_count_through_a_checkpoint() -> None:
-    """Observation 3: params of one bucket with different step counts load and resume exactly."""
+def _plain_run_with_different_step_counts() -> tuple[bytes, bytes, list[int], list[torch.Tensor]]:
+    """A plain AdamW run whose params have different step counts, its state and params as bytes,
+    and its params after one more step."""
     model = TwoLayers()
     opt = _adamw(model)
     for step in range(4):
@@ -159,14 +188,20 @@ def test_each_param_keeps_its_own_step_count_through_a_checkpoint() -> None:
         model(_inputs(step, None, 1), use_expert=model.use_expert).square().mean().backward()
         opt.step()
     plain_steps = [int(entry["step"]) for entry in opt.state_dict()["state"].values()]
-    assert sorted(set(plain_steps)) == [2, 4]
     state, params = _to_bytes(opt.state_dict()), _to_bytes(model.state_dict())
     opt.zero_grad()
     model(_inputs(9, None, 1)).square().mean().backward()
     opt.step()
-    for steps, resumed in run_ranks(_resume_from_plain_state, 2, state, params):
+    return state, params, plain_steps, [p.detach().clone() for p in model.parameters()]
+
+
+def test_each_param_keeps_its_own_step_count_through_a_checkpoint(on_two_ranks) -> None:
+    """Observation 3: params of one bucket with different step counts load and resume exactly."""
+    _, _, plain_steps, plain_after = _plain_run_with_different_step_counts()
+    assert sorted(set(plain_steps)) == [2, 4]
+    for steps, resumed in on_two_ranks["resume"]:
         assert steps == plain_steps
-        _assert_all_close(resumed, [p.detach() for p in model.parameters()])
+        _assert_all_close(resumed, plain_after)
 
 
 def _bf16_written_param(write: str) -> list:
@@ -191,14 +226,14 @@ def _bf16_written_param(write: str) -> list:
     return history
 
 
-def test_writing_one_bf16_param_does_not_reset_the_masters_of_others() -> None:
+def test_writing_one_bf16_param_does_not_reset_the_masters_of_others(on_two_ranks) -> None:
     """Observation 4: with fp32 masters, an in-place write to one param re-reads that param's
     master only; writes through ``.data`` are seen too."""
-    untouched = run_ranks(_bf16_written_param, 2, "none")[0]
-    noop = run_ranks(_bf16_written_param, 2, "noop_inplace")[0]
+    untouched = on_two_ranks["bf16-none"][0]
+    noop = on_two_ranks["bf16-noop_inplace"][0]
     for a, b in zip(noop[-1], untouched[-1], strict=True):
         assert torch.equal(a, b)  # a write that changes no value changes nothing
-    clamped = run_ranks(_bf16_written_param, 2, "data_clamp")
+    clamped = on_two_ranks["bf16-data_clamp"]
     for history in clamped:
         for step, params in enumerate(history[1:], start=1):
             weight = params[4]
@@ -220,7 +255,7 @@ def _fp64_master_run() -> tuple[list, int]:
     return [p.detach().clone() for p in model.parameters()], opt.memory_bytes()["master"]
 
 
-def test_fp64_params_are_not_rounded_to_an_fp32_master() -> None:
+def test_fp64_params_are_not_rounded_to_an_fp32_master(on_two_ranks) -> None:
     """Observation 5: a master is kept only where master_dtype is wider than the params."""
     model = TwoLayers(torch.float64)
     opt = _adamw(model)
@@ -228,7 +263,7 @@ def test_fp64_params_are_not_rounded_to_an_fp32_master() -> None:
         opt.zero_grad()
         model(_inputs(step, None, 1, torch.float64)).square().mean().backward()
         opt.step()
-    for params, master_bytes in run_ranks(_fp64_master_run, 2):
+    for params, master_bytes in on_two_ranks["fp64"]:
         assert master_bytes == 0
         for a, b in zip(params, model.parameters(), strict=True):
             torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-14)
@@ -311,10 +346,10 @@ def _checkpoint_lr_types(path: str, lr_kind: str) -> list:
     [("int", ["0.5", "0.5", "float"]), ("tensor", ["tensor(0.2500)", "tensor(0.2500)", "Tensor"])],
     ids=["int_lr", "tensor_lr"],
 )
-def test_checkpoint_keeps_hyperparameter_types(tmp_path, lr_kind, expected) -> None:
+def test_checkpoint_keeps_hyperparameter_types(on_two_ranks, lr_kind, expected) -> None:
     """Observation 8: an int lr stays an int (halved by StepLR it is a float, as in torch);
     a Tensor lr comes back as a Tensor with its value."""
-    for result in run_ranks(_checkpoint_lr_types, 2, str(tmp_path / "ckpt"), lr_kind):
+    for result in on_two_ranks[f"lr-{lr_kind}"]:
         assert result == expected
 
 
@@ -327,8 +362,8 @@ def _int_lr_survives(path: str) -> list:
     return [repr(opt.param_groups[0]["lr"])]
 
 
-def test_checkpoint_keeps_an_int_lr_an_int(tmp_path) -> None:
-    assert run_ranks(_int_lr_survives, 2, str(tmp_path / "ckpt")) == [["2"], ["2"]]
+def test_checkpoint_keeps_an_int_lr_an_int(on_two_ranks) -> None:
+    assert on_two_ranks["int_lr"] == [["2"], ["2"]]
 
 
 class _SGDWithScale(torch.optim.SGD):
