@@ -58,10 +58,29 @@ def _edit_after_backward(habit: str, overlap: bool) -> str:
         return str(error)
 
 
+HABITS = ["torch_clip", "grad_mul", "scaler_then_torch_clip", "stock_scaler", "sharded_clip"]
+
+
+def _run_all() -> dict:
+    results: dict = {}
+    for overlap in (False, True):
+        for habit in HABITS:
+            results[(habit, overlap)] = _edit_after_backward(habit, overlap)
+        results[("assign_and_zero", overlap)] = _assign_and_zero(overlap)
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict:
+    """Every habit of this file in one 2-rank job; maps (habit, overlap) to per-rank results."""
+    per_rank = run_ranks(_run_all, 2)
+    return {key: [results[key] for results in per_rank] for key in per_rank[0]}
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("habit", ["torch_clip", "grad_mul", "scaler_then_torch_clip", "stock_scaler"])
-def test_grads_edited_after_backward_are_refused_at_step(habit: str, overlap: bool) -> None:
-    for message in run_ranks(_edit_after_backward, 2, habit, overlap):
+@pytest.mark.parametrize("habit", HABITS[:-1])
+def test_grads_edited_after_backward_are_refused_at_step(outcomes, habit: str, overlap: bool) -> None:
+    for message in outcomes[(habit, overlap)]:
         if habit == "stock_scaler":  # its unscale does not move version counters; it is named
             assert "driven by a stock torch.amp.GradScaler" in message, message
         else:
@@ -71,8 +90,8 @@ def test_grads_edited_after_backward_are_refused_at_step(habit: str, overlap: bo
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_the_sharded_clip_is_the_way(overlap: bool) -> None:
-    assert run_ranks(_edit_after_backward, 2, "sharded_clip", overlap) == ["stepped", "stepped"]
+def test_the_sharded_clip_is_the_way(outcomes, overlap: bool) -> None:
+    assert outcomes[("sharded_clip", overlap)] == ["stepped", "stepped"]
 
 
 def _assign_and_zero(overlap: bool) -> list[torch.Tensor] | str:
@@ -95,11 +114,11 @@ def _assign_and_zero(overlap: bool) -> list[torch.Tensor] | str:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_assigning_or_dropping_grads_after_backward() -> None:
+def test_assigning_or_dropping_grads_after_backward(outcomes) -> None:
     initial = [p.detach() for p in _model().parameters()]
-    for params in run_ranks(_assign_and_zero, 2, False):
+    for params in outcomes[("assign_and_zero", False)]:
         torch.testing.assert_close(params[0], initial[0] - 0.1)
         for got, expected in zip(params[1:], initial[1:], strict=True):
             assert torch.equal(got, expected)
-    for message in run_ranks(_assign_and_zero, 2, True):
+    for message in outcomes[("assign_and_zero", True)]:
         assert "were set to None after backward" in message
