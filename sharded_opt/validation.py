@@ -101,11 +101,13 @@ def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGr
         scaler's inf flag, state dicts, checkpoints, the initial broadcast) then runs on it and
         is ordered only against its own kind.
 
-        ``use_local_synchronization=True`` means only the group's members take part in creating
-        it, so a subgroup works without the other ranks' help. torch names such a group after
-        its ranks and the number of groups this process has created, so members must have
-        created equally many groups before (true for groups made by every rank together, the
-        usual case); otherwise the creation waits and fails after the group's timeout. The
+        Over the whole world, the group is created by every rank together (every rank builds
+        the wrapper), and torch names it by a counter of groups created so far, the same on
+        every rank. Over a subgroup, ``use_local_synchronization=True`` lets only the members
+        take part; torch then names the group after its ranks and the number of groups this
+        process belongs to, so members must belong to equally many groups (a group a rank is
+        not in does not count: ``new_group([0])`` on two ranks would make the names differ);
+        otherwise the creation waits and fails after the group's timeout. The
         group lives until the default group is destroyed (at exit, or by
         ``destroy_process_group()``): one per wrapper, none per step.
     """
@@ -118,11 +120,12 @@ def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGr
     group = process_group if process_group is not None else dist.group.WORLD
     if dist.get_rank(group) < 0:
         raise ValueError("ShardingStage1 was given a process_group that this rank is not a member of")
+    ranks = dist.get_process_group_ranks(group)
     communicator = dist.new_group(
-        ranks=dist.get_process_group_ranks(group),
+        ranks=ranks,
         timeout=_timeout_of(group),
         backend=dist.get_backend(group),
-        use_local_synchronization=True,
+        use_local_synchronization=len(ranks) < dist.get_world_size(),
     )
     return communicator, dist.get_rank(communicator), dist.get_world_size(communicator)
 
