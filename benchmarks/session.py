@@ -38,7 +38,7 @@ class RunConfig:
     micro_batch: int = 8
     seq_len: int = 128
     warmup: int = 3
-    rounds: int = 20
+    rounds: int = 12
     steps_per_round: int = 3
     steady_rounds: int = 4
     """Rounds of the steady-state method: one long block per mode and round."""
