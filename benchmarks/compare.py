@@ -1,9 +1,15 @@
 """``python -m benchmarks.compare``: DDP, ZeroRedundancyOptimizer and ShardingStage1 (sync and
 overlap) on the same GPT, data, seed and AdamW, measured interleaved in one process group.
 
-See ``--help``; the defaults finish in a few minutes on 2 CPU cores. Writes ``results.json``,
+See ``--help``; the defaults finish in a few minutes on 2 CPU cores. Each mode is timed two
+ways, interleaved: short blocks that each end with ``sync_params()``, then long steady-state
+blocks. Two pseudo-modes, communication alone and compute alone, give the hidden share of
+communication and the distance to max(compute, comm). Writes ``results.json``,
 ``step_times.png``, ``timeline_overlap.png`` (and ``scaling.png`` for several world sizes) and a
-Chrome trace of one overlap step per run into ``--out``.
+Chrome trace of one overlap step per run into ``--out``; ``--profile`` adds one per mode.
+
+``--preset comm-bound`` emulates a 200 Mbit/s link between the 2 ranks (root needed), where
+communication alone takes several times the compute: the case overlap exists for.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from benchmarks import plots, report
 from benchmarks.models import MODEL_NAMES, PRESETS, model_seq_len
 from benchmarks.modes import MODES
 from benchmarks.netns import LinkConfig, link_unavailable_reason, parse_link, shaped_link
+from benchmarks.report import bucket_label
 from benchmarks.session import RunConfig, compare_rank, memory_rank
 from sharded_opt import spawn
 
@@ -33,7 +40,7 @@ class Plan:
 
     base: RunConfig
     world_sizes: tuple[int, ...]
-    bucket_mbs: tuple[float, ...]
+    bucket_mbs: tuple[float | None, ...]
     out: Path
     memory: bool
     link: LinkConfig | None
@@ -43,8 +50,36 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part.strip())
 
 
-def _float_list(text: str) -> tuple[float, ...]:
-    return tuple(float(part) for part in text.split(",") if part.strip())
+def _bucket_list(text: str) -> tuple[float | None, ...]:
+    """``auto`` (each library's default) or sizes in MiB, comma-separated."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        sizes = tuple(None if part == "auto" else float(part) for part in parts)
+    except ValueError as error:
+        message = f"expected 'auto' or sizes in MiB, e.g. auto,1,4; got {text!r}"
+        raise argparse.ArgumentTypeError(message) from error
+    if not sizes or any(size is not None and not size > 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"expected 'auto' or sizes > 0 in MiB but got {text!r}")
+    return sizes
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """Settings a ``--preset`` changes; explicit flags still win."""
+
+    link: str | None = None
+    memory: bool = True
+    rounds: int | None = None
+    steady_rounds: int | None = None
+    steady_steps: int | None = None
+
+
+PRESETS_BY_NAME = {
+    "default": Preset(),
+    # 200 Mbit/s: on the default GPT, communication alone is several times the compute. Fewer
+    # rounds, since every step takes about a second.
+    "comm-bound": Preset(link="0.2", memory=False, rounds=4, steady_rounds=2, steady_steps=6),
+}
 
 
 def _mode_list(text: str) -> tuple[str, ...]:
@@ -60,37 +95,60 @@ def parse_args(argv: list[str] | None) -> Plan:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__)
     parser.add_argument("--model", choices=MODEL_NAMES, default=defaults.model)
     parser.add_argument("--world-sizes", type=_int_list, default=(2,), help="e.g. 1,2,4 (default 2)")
-    parser.add_argument("--bucket-mb", type=_float_list, default=(defaults.bucket_mb,), help="e.g. 1,4,16")
+    parser.add_argument("--preset", choices=PRESETS_BY_NAME, default="default",
+                        help="comm-bound: 200 Mbit/s link (root), fewer rounds, no memory")  # fmt: skip
+    parser.add_argument("--bucket-mb", type=_bucket_list, default=(defaults.bucket_mb,),
+                        help="auto (each library's default) or MiB, e.g. auto,1,4")  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=defaults.micro_batch, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed steps per mode")
     parser.add_argument("--rounds", type=int, default=defaults.rounds, help="timed blocks per mode")
     parser.add_argument("--steps-per-round", type=int, default=defaults.steps_per_round)
+    parser.add_argument("--steady-rounds", type=int, default=None,
+                        help=f"long blocks per mode (default {defaults.steady_rounds})")  # fmt: skip
+    parser.add_argument("--steady-steps", type=int, default=None,
+                        help=f"steps per long block (default {defaults.steady_steps})")  # fmt: skip
+    parser.add_argument("--profile", action="store_true", help="save one Chrome trace per mode into --out")
     parser.add_argument("--modes", type=_mode_list, default=MODES, help="subset of " + ",".join(MODES))
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads per rank")
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                        help="measure peak memory per mode in separate processes")  # fmt: skip
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure peak memory per mode in separate processes (default: on)")  # fmt: skip
     parser.add_argument("--emulate-link", type=parse_link, default=None, metavar="GBPS[,LATENCY_MS]")
     parser.add_argument("--out", type=Path, default=Path("out/compare"))
     args = parser.parse_args(argv)
+    preset = PRESETS_BY_NAME[args.preset]
+    rounds = preset.rounds if preset.rounds is not None and args.rounds == defaults.rounds else args.rounds
+    steady_rounds = _first_set(args.steady_rounds, preset.steady_rounds, defaults.steady_rounds)
+    steady_steps = _first_set(args.steady_steps, preset.steady_steps, defaults.steady_steps)
+    link = args.emulate_link if args.emulate_link or preset.link is None else parse_link(preset.link)
+    memory = preset.memory if args.memory is None else args.memory
     if args.model in PRESETS and (args.seq_len or 0) > PRESETS[args.model].seq_len:
         parser.error(f"--seq-len is at most {PRESETS[args.model].seq_len} for the {args.model} preset")
-    if args.rounds < 2:
-        parser.error("--rounds must be at least 2 to report a spread")
+    if rounds < 2 or steady_rounds < 2:
+        parser.error("--rounds and --steady-rounds must be at least 2 to report a spread")
+    if steady_steps < 1:
+        parser.error("--steady-steps must be at least 1")
     base = dataclasses.replace(
         defaults,
         model=args.model,
         micro_batch=args.micro_batch,
         seq_len=model_seq_len(args.model, args.seq_len),
         warmup=args.warmup,
-        rounds=args.rounds,
+        rounds=rounds,
         steps_per_round=args.steps_per_round,
+        steady_rounds=steady_rounds,
+        steady_steps=steady_steps,
+        profile_dir=str(args.out) if args.profile else None,
         modes=args.modes,
         threads=args.threads,
         seed=args.seed,
     )
-    return Plan(base, args.world_sizes, args.bucket_mb, args.out, args.memory, args.emulate_link)
+    return Plan(base, args.world_sizes, args.bucket_mb, args.out, memory, link)
+
+
+def _first_set(*values: int | None) -> int:
+    return next(value for value in values if value is not None)
 
 
 def _enter_link(plan: Plan, stack: contextlib.ExitStack) -> LinkConfig | None:
@@ -116,7 +174,7 @@ def run_once(config: RunConfig, world_size: int, memory: bool) -> dict:
     ranks = spawn(compare_rank, (config,), nprocs=world_size)
     peaks: dict[str, list[dict]] = {}
     if memory:
-        memory_config = dataclasses.replace(config, trace_path=None, link=None)
+        memory_config = dataclasses.replace(config, trace_path=None, profile_dir=None, link=None)
         for mode in config.modes:
             peaks[mode] = spawn(memory_rank, (memory_config, mode), nprocs=world_size)
     summary = report.summarize_run(ranks, peaks, config.micro_batch * config.seq_len)
@@ -128,9 +186,12 @@ def run_once(config: RunConfig, world_size: int, memory: bool) -> dict:
 
 def _print_run(run: dict, config: RunConfig) -> None:
     print(f"\n== {run['world_size']} rank(s), {config.model} GPT ({run['num_params'] / 1e6:.2f}M params), "
-          f"{config.micro_batch}x{config.seq_len} tokens/rank, {run['bucket_mb']:g} MiB buckets "
+          f"{config.micro_batch}x{config.seq_len} tokens/rank, {bucket_label(run['bucket_mb'])} MiB buckets "
           f"({len(run['buckets_padded_numel'])} buckets) ==")  # fmt: skip
     print(report.mode_table(run))
+    print(f"block = {config.steps_per_round}-step blocks ending in sync_params(); steady = "
+          f"{config.steady_steps}-step blocks; medians of the slowest rank")  # fmt: skip
+    print("\n".join(report.analysis_lines(run)))
     curve = run["loss_curve_ddp"]
     if curve:
         window = max(1, len(curve) // 6)
@@ -138,10 +199,6 @@ def _print_run(run: dict, config: RunConfig) -> None:
             sum(curve[i : i + window]) / len(curve[i : i + window]) for i in range(0, len(curve), window)
         ]
         print(f"loss (rank 0, DDP), mean of each {window} steps:", " ".join(f"{v:.3f}" for v in means))
-    comm = run["modes"].get("comm")
-    if comm and run["hidden_fraction"] is not None:
-        print(f"T_comm (comm-only) {comm['median_s'] * 1e3:.1f} ms; hidden fraction "
-              f"(T_sync - T_overlap) / T_comm = {run['hidden_fraction']:.2f}")  # fmt: skip
     agreement = run["agreement"]
     if agreement["param_max_abs_diff"]:
         diffs = ", ".join(f"{k} {v:.2e}" for k, v in agreement["param_max_abs_diff"].items())
@@ -170,8 +227,18 @@ def main(argv: list[str] | None = None) -> int:
         link = _enter_link(plan, stack)
         for world_size in plan.world_sizes:
             for bucket_mb in plan.bucket_mbs:
-                trace = plan.out / f"trace_overlap_ws{world_size}_b{bucket_mb:g}.json"
-                config = dataclasses.replace(plan.base, bucket_mb=bucket_mb, trace_path=str(trace), link=link)
+                label = bucket_label(bucket_mb)
+                trace = plan.out / f"trace_overlap_ws{world_size}_b{label}.json"
+                profile_dir = plan.out / f"profile_b{label}" if plan.base.profile_dir else None
+                if profile_dir is not None:
+                    profile_dir.mkdir(parents=True, exist_ok=True)
+                config = dataclasses.replace(
+                    plan.base,
+                    bucket_mb=bucket_mb,
+                    trace_path=str(trace),
+                    profile_dir=None if profile_dir is None else str(profile_dir),
+                    link=link,
+                )
                 runs.append(run_once(config, world_size, plan.memory))
                 _print_run(runs[-1], config)
     _finish(plan, runs, link is not None, argv)
@@ -193,7 +260,7 @@ def _finish(plan: Plan, runs: list[dict], emulated: bool, argv: list[str] | None
     single = next((r for r in runs if r["world_size"] == 1), None)
     main_run = next((r for r in runs if r["world_size"] > 1), runs[0])
     checks = report.targets(main_run, single, emulated)
-    print(f"\nTargets ({main_run['world_size']} ranks, {main_run['bucket_mb']:g} MiB buckets):")
+    print(f"\nTargets ({main_run['world_size']} ranks, {bucket_label(main_run['bucket_mb'])} MiB buckets):")
     for check in checks:
         print(
             f"  {'MET ' if check.met else 'MISS'} {check.name}: {check.measured:.3f} (limit {check.limit:g})"

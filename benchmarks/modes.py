@@ -25,6 +25,12 @@ MODES = ("ddp", "zero", "sync", "overlap")
 COMM_ONLY = "comm"
 """Pseudo-mode: the sharded modes' collectives on their own buffers, with no compute."""
 
+COMPUTE_ONLY = "compute"
+"""Pseudo-mode: forward, backward and a full AdamW step on this rank's batch, no communication.
+With :data:`COMM_ONLY` it gives max(compute, comm), the best any overlap can do."""
+
+PSEUDO_MODES = (COMM_ONLY, COMPUTE_ONLY)
+
 MUST_AGREE = ("ddp", "sync", "overlap")
 """Modes that run the same arithmetic and so must end with the same params (to tolerance)."""
 
@@ -34,6 +40,7 @@ LABELS = {
     "sync": "ShardingStage1 sync",
     "overlap": "ShardingStage1 overlap",
     COMM_ONLY: "comm only (RS + AG)",
+    COMPUTE_ONLY: "compute only (no comm)",
 }
 
 
@@ -56,7 +63,8 @@ class ModeSpec:
 
     model_name: str
     seed: int
-    bucket_mb: float
+    bucket_mb: float | None
+    """None: each library's default (DDP's 25 MiB, ShardingStage1's model-derived sizes)."""
     adamw: AdamWConfig
     device: torch.device
     group: ProcessGroup
@@ -151,6 +159,12 @@ def _ddp_wrap(model: nn.Module, spec: ModeSpec) -> nn.Module:
     )
 
 
+def build_compute_runner(spec: ModeSpec) -> Runner:
+    """The :data:`COMPUTE_ONLY` pseudo-mode: the plain model and AdamW, no wrapper at all."""
+    model = build_model(spec.model_name, spec.seed).to(spec.device)
+    return Runner(COMPUTE_ONLY, model, model, torch.optim.AdamW(model.parameters(), **spec.adamw.kwargs()))
+
+
 def _build_ddp(model: nn.Module, spec: ModeSpec) -> Runner:
     forward = _ddp_wrap(model, spec)
     return Runner("ddp", model, forward, torch.optim.AdamW(model.parameters(), **spec.adamw.kwargs()))
@@ -213,7 +227,7 @@ def comm_bytes_per_step(runner: Runner, world_size: int) -> dict[str, float]:
     reduce-scatters on gloo with an all-to-all, which sends the same (N-1)/N * B (see Note
     [Reduce-scatter on gloo] in sharded_opt/collectives.py).
     """
-    if world_size == 1:
+    if world_size == 1 or runner.name == COMPUTE_ONLY:
         return {"payload": 0.0, "wire_per_rank": 0.0}
     ring = (world_size - 1) / world_size
     if isinstance(runner.optimizer, ShardingStage1):

@@ -9,13 +9,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
 
-from benchmarks.modes import LABELS, MODES  # noqa: E402
+from benchmarks.modes import LABELS, MODES, PSEUDO_MODES  # noqa: E402
+from benchmarks.report import bucket_label  # noqa: E402
 
 
 def plot_step_times(runs: list[dict], path: Path) -> None:
     """Median step time per mode with p10-p90 whiskers, one group of bars per run."""
     figure, axes = plt.subplots(figsize=(9, 4.5))
-    names = [name for name in (*MODES, "comm") if any(name in run["modes"] for run in runs)]
+    names = [name for name in (*MODES, *PSEUDO_MODES) if any(name in run["modes"] for run in runs)]
     width = 0.8 / len(runs)
     for offset, run in enumerate(runs):
         xs, medians, lower, upper = [], [], [], []
@@ -26,7 +27,7 @@ def plot_step_times(runs: list[dict], path: Path) -> None:
                 medians.append(s["median_s"] * 1e3)
                 lower.append((s["median_s"] - s["p10_s"]) * 1e3)
                 upper.append((s["p90_s"] - s["median_s"]) * 1e3)
-        label = f"{run['world_size']} ranks, {run['bucket_mb']:g} MiB buckets"
+        label = f"{run['world_size']} ranks, {bucket_label(run['bucket_mb'])} MiB buckets"
         axes.bar(xs, medians, width, yerr=[lower, upper], capsize=3, label=label)
     axes.set_xticks([p + width * (len(runs) - 1) / 2 for p in range(len(names))])
     axes.set_xticklabels([LABELS[n] for n in names], rotation=15, ha="right", fontsize=8)

@@ -16,11 +16,14 @@ from tqdm import tqdm
 from benchmarks.data import DataConfig, RankBatches, stdlib_corpus
 from benchmarks.modes import (
     COMM_ONLY,
+    COMPUTE_ONLY,
     MODES,
+    PSEUDO_MODES,
     AdamWConfig,
     CommOnlyRunner,
     ModeSpec,
     Runner,
+    build_compute_runner,
     build_runner,
     comm_bytes_per_step,
 )
@@ -35,25 +38,35 @@ class RunConfig:
     micro_batch: int = 8
     seq_len: int = 128
     warmup: int = 3
-    rounds: int = 20
+    rounds: int = 12
     steps_per_round: int = 3
-    bucket_mb: float = 4.0
+    steady_rounds: int = 4
+    """Rounds of the steady-state method: one long block per mode and round."""
+    steady_steps: int = 10
+    """Steps per steady-state block; one ``settle`` at its end, so the all-gather left in flight
+    by the last step is charged once per ``steady_steps`` steps, as in a long training run."""
+    bucket_mb: float | None = None
+    """None: each library's default bucket sizes (DDP 25 MiB, ShardingStage1 sized from the
+    model)."""
     seed: int = 0
     threads: int = 1
     modes: tuple[str, ...] = MODES
     comm_only: bool = True
     trace_path: str | None = None
+    profile_dir: str | None = None
+    """Write one Chrome trace of one step per mode here (rank 0), see ``--profile``."""
     link: LinkConfig | None = None
     adamw: AdamWConfig = AdamWConfig()
 
     @property
     def total_steps(self) -> int:
-        return self.warmup + self.rounds * self.steps_per_round
+        return self.warmup + self.rounds * self.steps_per_round + self.steady_rounds * self.steady_steps
 
 
 def compare_rank(config: RunConfig) -> dict:
-    """Train every mode on the same batches, interleaved block by block, and return this rank's
-    block times, losses, state/comm bytes, param agreement and (rank 0) one overlap step's events."""
+    """Train every mode on the same batches, interleaved block by block (short blocks, then long
+    steady-state blocks), and return this rank's block times, losses, state/comm bytes, param
+    agreement and (rank 0) one overlap step's events."""
     torch.set_num_threads(config.threads)
     group = link_group(config.link) if config.link else dist.group.WORLD
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -62,15 +75,22 @@ def compare_rank(config: RunConfig) -> dict:
     runners = {name: build_runner(name, spec) for name in config.modes}
     if config.comm_only and "sync" in runners and world_size > 1:
         runners[COMM_ONLY] = CommOnlyRunner(runners["sync"])
+        runners[COMPUTE_ONLY] = build_compute_runner(spec)
     losses: dict[str, list[float]] = {name: [] for name in runners}
     _warm_up(runners, batches[: config.warmup], losses)
-    times = _timed_rounds(config, runners, batches[config.warmup :], losses, group, show=rank == 0)
+    short_end = config.warmup + config.rounds * config.steps_per_round
+    show = rank == 0
+    times = _timed_rounds(
+        runners, batches[config.warmup : short_end], config.steps_per_round, losses, group, show
+    )
+    steady = _timed_rounds(runners, batches[short_end:], config.steady_steps, losses, group, show)
     result = {
         "rank": rank,
         "world_size": world_size,
         "times": times,
-        "losses": {name: values for name, values in losses.items() if name != COMM_ONLY},
-        "state_bytes": {name: r.state_bytes() for name, r in runners.items() if name != COMM_ONLY},
+        "steady_times": steady,
+        "losses": {name: values for name, values in losses.items() if name not in PSEUDO_MODES},
+        "state_bytes": {name: r.state_bytes() for name, r in runners.items() if name not in PSEUDO_MODES},
         "comm_bytes": {name: comm_bytes_per_step(r, world_size) for name, r in runners.items()},
         "num_params": sum(p.numel() for p in next(iter(runners.values())).model.parameters()),
         "agreement": _param_agreement(runners),
@@ -79,6 +99,10 @@ def compare_rank(config: RunConfig) -> dict:
     }
     if config.trace_path is not None and "overlap" in runners:
         result["timeline"] = _trace_overlap_step(runners["overlap"], batches[-1], config.trace_path, rank)
+    if config.profile_dir is not None:
+        for name, runner in runners.items():
+            path = f"{config.profile_dir}/trace_{name}_ws{world_size}.json"
+            _trace_overlap_step(runner, batches[-1], path, rank)
     return result
 
 
@@ -127,18 +151,17 @@ def _warm_up(runners: dict[str, Runner], batches: list, losses: dict[str, list[f
 
 
 def _timed_rounds(
-    config: RunConfig,
     runners: dict[str, Runner],
     batches: list,
+    k: int,
     losses: dict[str, list[float]],
     group: ProcessGroup,
     show: bool,
 ) -> dict[str, list[float]]:
-    """Per-step seconds of each block: A B C D A B C D ..., each block ``steps_per_round``
-    steps long and ending with ``settle`` so its in-flight work is charged to it."""
+    """Per-step seconds of each block: A B C D A B C D ..., each block ``k`` steps long (one
+    round per ``k`` batches) and ending with ``settle`` so its in-flight work is charged to it."""
     times: dict[str, list[float]] = {name: [] for name in runners}
-    k = config.steps_per_round
-    bar = tqdm(range(config.rounds), desc="rounds", disable=not show, leave=False)
+    bar = tqdm(range(len(batches) // k), desc=f"rounds of {k}", disable=not show, leave=False)
     for round_index in bar:
         block = batches[round_index * k : (round_index + 1) * k]
         for name, runner in runners.items():
@@ -173,8 +196,8 @@ def _bucket_sizes(runners: dict[str, Runner]) -> list[int]:
 
 
 def _trace_overlap_step(runner: Runner, batch: tuple, trace_path: str, rank: int) -> list[dict]:
-    """Profile one overlap step (every rank must step; rank 0 writes the Chrome trace) and
-    return its forward/backward/step ranges and collective launches for the timeline plot."""
+    """Profile one step of ``runner`` (every rank must step; rank 0 writes the Chrome trace)
+    and return its forward/backward/step ranges and collective launches for the timeline plot."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -31,6 +31,13 @@ Note [Memory format]
     param's shape with the param's strides (``fusion.buffers.view_slot``), and a tensor is cut
     into a slot in memory order (``fusion.buffers.flatten_to_slot``). A param that is not dense
     (a slice with gaps) cannot be viewed that way and is laid out contiguous.
+
+Note [First bucket]
+    Bucket 0 of each kind holds the last-registered params, whose grads backward produces first;
+    its reduction cannot start before every one of its params has a grad. A small first bucket
+    (DDP uses 1 MiB) therefore starts communication early in backward, while later buckets stay
+    large enough to amortize a collective's fixed cost. ``first_bucket_bytes`` bounds that bucket
+    alone; see ``fusion.bucket_sizing`` for how the wrapper picks both sizes.
 """
 
 from __future__ import annotations
@@ -196,6 +203,7 @@ def plan_layout(
     *,
     align_bytes: int = DEFAULT_ALIGN_BYTES,
     bucket_size_bytes: int,
+    first_bucket_bytes: int | None = None,
 ) -> LayoutPlan:
     """Plan the flat buckets for ``params`` given in registration order.
 
@@ -207,6 +215,10 @@ def plan_layout(
         align_bytes: start alignment of each param and each shard, see Note [Alignment and padding].
         bucket_size_bytes: a bucket is closed once adding the next param would exceed this size;
             a param larger than this gets a bucket of its own.
+        first_bucket_bytes: the same bound for the first bucket of each (dtype, device, param
+            group, requires_grad) kind, the one backward fills first; None means
+            ``bucket_size_bytes``. A small first bucket lets communication start early in
+            backward, see Note [First bucket].
 
     Returns:
         A frozen :class:`LayoutPlan`; see Note [Bucket order].
@@ -214,12 +226,15 @@ def plan_layout(
     Raises:
         ValueError: for a non-positive world size, alignment or bucket size.
     """
+    first_bucket_bytes = bucket_size_bytes if first_bucket_bytes is None else first_bucket_bytes
     if world_size < 1:
         raise ValueError(f"plan_layout expects world_size >= 1 but got {world_size}")
     if align_bytes < 1:
         raise ValueError(f"plan_layout expects align_bytes >= 1 but got {align_bytes}")
     if bucket_size_bytes < 1:
         raise ValueError(f"plan_layout expects bucket_size_bytes >= 1 but got {bucket_size_bytes}")
+    if first_bucket_bytes < 1:
+        raise ValueError(f"plan_layout expects first_bucket_bytes >= 1 or None but got {first_bucket_bytes}")
 
     open_buckets: dict[tuple[torch.dtype, torch.device, int, bool], _OpenBucket] = {}
     closed: list[_OpenBucket] = []
@@ -228,10 +243,12 @@ def plan_layout(
         if spec is None:
             continue
         key = (spec.dtype, spec.device, spec.group_index, spec.requires_grad)
-        bucket = open_buckets.setdefault(key, _OpenBucket(align_numel(spec.dtype, align_bytes)))
-        if bucket.members and bucket.bytes_after(spec) > bucket_size_bytes:
+        bucket = open_buckets.setdefault(
+            key, _OpenBucket(align_numel(spec.dtype, align_bytes), first_bucket_bytes)
+        )
+        if bucket.members and bucket.bytes_after(spec) > bucket.limit_bytes:
             closed.append(bucket)
-            bucket = open_buckets[key] = _OpenBucket(bucket.align)
+            bucket = open_buckets[key] = _OpenBucket(bucket.align, bucket_size_bytes)
         bucket.add(index, spec)
     closed.extend(bucket for bucket in open_buckets.values() if bucket.members)
     # Order buckets by the layout position of their first param, see Note [Bucket order].
@@ -273,10 +290,12 @@ def _build_bucket(
 
 
 class _OpenBucket:
-    """A bucket being filled: its members and the cursor after the last one, in elements."""
+    """A bucket being filled: its members, the cursor after the last one in elements, and the
+    size in bytes past which it is closed."""
 
-    def __init__(self, align: int) -> None:
+    def __init__(self, align: int, limit_bytes: int) -> None:
         self.align = align
+        self.limit_bytes = limit_bytes
         self.members: list[tuple[int, ParamSpec]] = []
         self.cursor = 0
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
+from fusion.bucket_sizing import trainable_bytes
 from fusion.buffers import FlatBuffers
 from fusion.layout import LayoutPlan, plan_layout
 from sharded_opt import collectives
@@ -102,11 +103,13 @@ class ShardingStage1(torch.optim.Optimizer):
         self.process_group = group
         self.rank = rank
         self.world_size = world_size
+        bucket_sizes = config.bucket_sizes(trainable_bytes(specs))
         self.plan: LayoutPlan = plan_layout(
             specs,
             world_size if config.enable else 1,
             align_bytes=config.align_bytes,
-            bucket_size_bytes=config.bucket_size_bytes,
+            bucket_size_bytes=bucket_sizes.bucket_bytes,
+            first_bucket_bytes=bucket_sizes.first_bucket_bytes,
         )
         self._buffers = FlatBuffers(self.plan, params)
         self._broadcast_from_first_rank()

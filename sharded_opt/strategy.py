@@ -8,11 +8,8 @@ from typing import Any
 
 import torch
 
+from fusion.bucket_sizing import BucketSizes, default_bucket_sizes
 from fusion.layout import DEFAULT_ALIGN_BYTES
-
-DEFAULT_BUCKET_SIZE_MB = 25.0
-"""Bucket size in MiB, DDP's default: large enough to amortize a collective's fixed latency,
-small enough that the first bucket is ready early in backward."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,8 +29,13 @@ class ShardingConfig:
     """Reduce each bucket's grads as soon as backward has produced them, and all-gather updated
     params while the next forward runs. False communicates inside ``step()`` only."""
 
-    bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB
-    """Upper bound of one flat bucket in MiB (a larger param gets a bucket of its own)."""
+    bucket_size_mb: float | None = None
+    """Upper bound of one flat bucket in MiB (a larger param gets a bucket of its own), the same
+    for every bucket. None sizes buckets from the model: a first bucket of at most 1 MiB so
+    communication starts early in backward, the rest sized so the model gets about 8 buckets,
+    each between 64 KiB and 25 MiB (see Note [Bucket sizes from the model] in
+    fusion/bucket_sizing.py). Smaller buckets start communicating earlier and hide more of it;
+    each costs a collective's fixed latency."""
 
     align_bytes: int = DEFAULT_ALIGN_BYTES
     """Start alignment of each param and each shard in bytes; a power of two."""
@@ -61,9 +63,12 @@ class ShardingConfig:
         _check_field(name, value)
         object.__setattr__(self, name, value)
 
-    @property
-    def bucket_size_bytes(self) -> int:
-        return max(1, int(self.bucket_size_mb * 2**20))
+    def bucket_sizes(self, trainable_bytes: int) -> BucketSizes:
+        """Byte bounds of the first and the other buckets for a model of ``trainable_bytes``."""
+        if self.bucket_size_mb is None:
+            return default_bucket_sizes(trainable_bytes)
+        size_bytes = max(1, int(self.bucket_size_mb * 2**20))
+        return BucketSizes(size_bytes, size_bytes)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,13 +91,15 @@ def _check_field(name: str, value: Any) -> None:
                 f"Strategy.sharding.{name} expects a bool but got {value!r} ({type(value).__name__})"
             )
     elif name == "bucket_size_mb":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"Strategy.sharding.bucket_size_mb expects a number > 0 but got {value!r}")
-        if not math.isfinite(value):
-            # inf would pass the check above and overflow only when the layout turns it into bytes.
+        if value is not None and (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not value > 0
+            or not math.isfinite(value)
+        ):
             raise ValueError(
-                f"Strategy.sharding.bucket_size_mb expects a finite number of MiB but got {value!r}; "
-                "for one bucket per dtype and param group, give a size above the model's, e.g. 1e6"
+                "Strategy.sharding.bucket_size_mb expects a number > 0 (finite), or None to size "
+                f"buckets from the model, but got {value!r}"
             )
     elif name == "align_bytes":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):

@@ -81,9 +81,14 @@ PROPERTY_SETTINGS = settings(max_examples=200, deadline=None, suppress_health_ch
 
 
 def reference_buckets(
-    params: list[ParamSpec | None], align_bytes: int, bucket_size_bytes: int
+    params: list[ParamSpec | None],
+    align_bytes: int,
+    bucket_size_bytes: int,
+    first_bucket_bytes: int | None = None,
 ) -> list[tuple[int, ...]]:
-    """Bucket membership per the stated rules, as tuples of param indices in layout order."""
+    """Bucket membership per the stated rules, as tuples of param indices in layout order. The
+    first bucket of each key is bounded by ``first_bucket_bytes`` (default: the same size)."""
+    first_keys: set[tuple] = set()
     open_groups: dict[tuple, list[int]] = {}
     open_end: dict[tuple, int] = {}
     done: list[list[int]] = []
@@ -96,7 +101,11 @@ def reference_buckets(
         members = open_groups.get(key)
         if members is not None:
             end_if_added = ceil_to(open_end[key], align) + math.prod(p.shape)
-            if end_if_added * ITEMSIZE[p.dtype] > bucket_size_bytes:
+            limit = bucket_size_bytes
+            if key not in first_keys and first_bucket_bytes is not None:
+                limit = first_bucket_bytes
+            if end_if_added * ITEMSIZE[p.dtype] > limit:
+                first_keys.add(key)
                 done.append(members)
                 members = None
         if members is None:
@@ -286,6 +295,59 @@ def test_one_byte_bucket_gives_one_bucket_per_param(params, world_size, align_by
     for bucket in plan.buckets:
         assert sum(1 for s in bucket.slots if s.numel > 0) <= 1
     assert sorted(s.param_index for b in plan.buckets for s in b.slots if s.numel > 0) == laid_out
+
+
+@PROPERTY_SETTINGS
+@given(
+    params=param_lists(),
+    world_size=world_sizes,
+    align_bytes=align_bytes_st,
+    bsize=bucket_sizes,
+    first=bucket_sizes,
+)
+def test_first_bucket_bound(params, world_size, align_bytes, bsize, first):
+    """The first bucket of each kind closes at ``first_bucket_bytes``, the others at
+    ``bucket_size_bytes``; everything else about the plan is unchanged."""
+    plan = plan_layout(
+        params, world_size, align_bytes=align_bytes, bucket_size_bytes=bsize, first_bucket_bytes=first
+    )
+    membership = [tuple(s.param_index for s in bucket.slots) for bucket in plan.buckets]
+    assert membership == reference_buckets(params, align_bytes, bsize, first)
+    seen_keys: set[tuple] = set()
+    for bucket in plan.buckets:
+        key = (bucket.dtype, bucket.device, bucket.group_index)
+        limit = bsize if key in seen_keys else first
+        seen_keys.add(key)
+        check_bucket(bucket, params, world_size, align_bytes, limit)
+
+
+def test_first_bucket_bytes_none_is_bucket_size():
+    params = [spec(100) for _ in range(6)]
+    plain = plan_layout(params, 2, align_bytes=4, bucket_size_bytes=800)
+    assert plan_layout(params, 2, align_bytes=4, bucket_size_bytes=800, first_bucket_bytes=None) == plain
+
+
+def test_small_first_bucket_worked_example():
+    # Six 100-element fp32 params (400 bytes each), align 4 bytes. First bucket bound 400 bytes:
+    # param 5 alone; then 800-byte buckets: params 4, 3 and 2, 1; then param 0 alone.
+    params = [spec(100) for _ in range(6)]
+    plan = plan_layout(params, 2, align_bytes=4, bucket_size_bytes=800, first_bucket_bytes=400)
+    assert [tuple(s.param_index for s in b.slots) for b in plan.buckets] == [(5,), (4, 3), (2, 1), (0,)]
+
+
+def test_first_bucket_is_per_kind():
+    # Two param groups: each group's first bucket gets the small bound.
+    params = [spec(100, group=g) for g in (0, 0, 0, 1, 1, 1)]
+    plan = plan_layout(params, 1, align_bytes=4, bucket_size_bytes=1200, first_bucket_bytes=400)
+    assert [tuple(s.param_index for s in b.slots) for b in plan.buckets] == [(5,), (4, 3), (2,), (1, 0)]
+
+
+@pytest.mark.parametrize("first_bucket_bytes", [0, -1])
+def test_rejects_bad_first_bucket_size(first_bucket_bytes):
+    with pytest.raises(
+        ValueError, match=rf"plan_layout expects first_bucket_bytes >= 1 or None but got {first_bucket_bytes}"
+    ):
+        plan_layout([spec(1)], 1, bucket_size_bytes=1024, first_bucket_bytes=first_bucket_bytes)
 
 
 # --------------------------------------------------------------------------------------------

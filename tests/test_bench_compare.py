@@ -1,0 +1,124 @@
+"""Tests for the comparison benchmark's methods (``benchmarks.compare``/``report``/``session``):
+steady-state timing beside block timing, the compute-only pseudo-mode and the ratios built on it,
+the comm-bound preset, ``auto`` bucket sizes and ``--profile``. Nothing here looks at a time's
+value beyond arithmetic on made-up numbers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from benchmarks import compare, report
+from benchmarks.modes import COMM_ONLY, COMPUTE_ONLY
+
+MS = 1e-3
+
+
+def _ranks(block: dict[str, list[float]], steady: dict[str, list[float]]) -> list[dict]:
+    """Two ranks' raw results: rank 1 is 1 ms slower on every block."""
+    names = list(block)
+    real = [name for name in names if name not in (COMM_ONLY, COMPUTE_ONLY)]
+    return [
+        {
+            "world_size": 2,
+            "times": {name: [t + rank * MS for t in values] for name, values in block.items()},
+            "steady_times": {name: [t + rank * MS for t in values] for name, values in steady.items()},
+            "comm_bytes": {name: {"payload": 0.0, "wire_per_rank": 0.0} for name in names},
+            "state_bytes": dict.fromkeys(real, 8),
+            "losses": {name: [1.0, 0.5] for name in real},
+            "agreement": {name: 0.0 for name in real if name != "ddp"},
+            "buckets": [64, 64],
+            "num_params": 100,
+        }
+        for rank in range(2)
+    ]
+
+
+def _run() -> dict:
+    block = {"ddp": 0.200, "sync": 0.220, "overlap": 0.210, COMM_ONLY: 0.040, COMPUTE_ONLY: 0.180}
+    steady = {"ddp": 0.200, "sync": 0.220, "overlap": 0.190, COMM_ONLY: 0.040, COMPUTE_ONLY: 0.180}
+    spread_ = [-2 * MS, 0.0, 2 * MS]
+    return report.summarize_run(
+        _ranks(
+            {k: [v + d for d in spread_] for k, v in block.items()},
+            {k: [v + d for d in spread_] for k, v in steady.items()},
+        ),
+        {},
+        1024,
+    )
+
+
+def test_steady_state_medians_beside_block_medians():
+    run = _run()
+    overlap = run["modes"]["overlap"]
+    # The slowest rank (rank 1, +1 ms) sets each block's time.
+    assert overlap["median_s"] == pytest.approx(0.211)
+    assert overlap["steady_median_s"] == pytest.approx(0.191)
+    assert set(run["methods"]) == {"block", "steady"}
+
+
+def test_hidden_share_and_distance_to_the_bound_for_every_method():
+    steady = _run()["methods"]["steady"]
+    # (T_sync - T_overlap) / T_comm and T_overlap / max(T_compute, T_comm), slowest rank's times.
+    assert steady["hidden_fraction"] == pytest.approx((0.221 - 0.191) / 0.041)
+    assert steady["bound_s"] == pytest.approx(0.181)
+    assert steady["overlap_vs_bound"] == pytest.approx(0.191 / 0.181)
+    assert steady["overlap_vs_ddp"] == pytest.approx(0.191 / 0.201)
+    lines = report.analysis_lines(_run())
+    assert len(lines) == 2 and all("overlap / max(compute, comm)" in line for line in lines)
+
+
+def test_targets_use_steady_state_and_follow_the_link():
+    run = _run()
+    default = {t.name: t for t in report.targets(run, None, emulated_link=False)}
+    assert default["overlap / ddp step time (steady)"].limit == 1.00
+    assert default["overlap / sync step time (steady)"].limit == 0.93
+    linked = {t.name: t for t in report.targets(run, None, emulated_link=True)}
+    assert linked["overlap / ddp step time (steady)"].limit == 0.90
+    bound = linked["overlap / max(compute, comm) (steady)"]
+    assert (bound.limit, bound.measured) == (1.15, pytest.approx(0.191 / 0.181))
+
+
+def test_bucket_list_accepts_auto_and_rejects_bad_sizes():
+    assert compare._bucket_list("auto, 1,4") == (None, 1.0, 4.0)
+    for text in ("0", "-1", "big", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected 'auto' or sizes"):
+            compare._bucket_list(text)
+
+
+def test_default_run_uses_library_default_buckets():
+    plan = compare.parse_args([])
+    assert plan.bucket_mbs == (None,) and plan.link is None and plan.memory
+    assert (plan.base.steady_rounds, plan.base.steady_steps) == (4, 10)
+
+
+def test_comm_bound_preset_and_explicit_flags_win():
+    plan = compare.parse_args(["--preset", "comm-bound"])
+    assert plan.link is not None and plan.link.gbps == 0.2
+    assert not plan.memory and plan.base.rounds == 4 and plan.base.steady_rounds == 2
+    plan = compare.parse_args(["--preset", "comm-bound", "--emulate-link", "1", "--rounds", "6", "--memory"])
+    assert plan.link.gbps == 1.0 and plan.base.rounds == 6 and plan.memory
+
+
+def test_rejects_a_single_steady_round(capsys):
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--steady-rounds", "1"])
+    assert "--steady-rounds must be at least 2" in capsys.readouterr().err
+
+
+def test_tiny_run_profiles_every_mode(tmp_path):
+    """End to end on the tiny GPT: both methods and both pseudo-modes are measured, and
+    ``--profile`` leaves one Chrome trace per mode."""
+    argv = ["--model", "tiny", "--modes", "sync,overlap", "--warmup", "1", "--rounds", "2",
+            "--steps-per-round", "1", "--steady-rounds", "2", "--steady-steps", "2", "--no-memory",
+            "--profile", "--out", str(tmp_path)]  # fmt: skip
+    assert compare.main(argv) == 0
+    run = json.loads((tmp_path / "results.json").read_text())["runs"][0]
+    assert set(run["modes"]) == {"sync", "overlap", COMM_ONLY, COMPUTE_ONLY}
+    assert run["bucket_mb"] is None
+    assert {"block", "steady"} == set(run["methods"])
+    assert "overlap_vs_bound" in run["methods"]["steady"]
+    traces = sorted(path.name for path in (tmp_path / "profile_bauto").iterdir())
+    assert traces == [f"trace_{name}_ws2.json" for name in sorted(["sync", "overlap", "comm", "compute"])]
