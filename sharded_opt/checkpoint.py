@@ -151,8 +151,8 @@ def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ShardedTensor
     }
     for group_index, group in enumerate(optimizer.param_groups):
         entries.update(_hyperparameter_entries(group_index, group))
-    descriptions = describe_param_states(optimizer)
     local = param_states(optimizer._inner, optimizer._comm.live_shards())
+    descriptions = describe_param_states(optimizer, local)
     per_param = _PerParamEntries(optimizer)
     for index, description in descriptions.items():
         for key, (kind, value) in description.items():

@@ -280,13 +280,10 @@ class GradReadyTracker:
             index = slot.param_index
             if self._counted[index] or not params[index].requires_grad:
                 continue
-            grad = params[index].grad
-            if grad is None:
-                self.received[index] = 0
-            if self._buffers.adopt_grad(index):
+            had_grad = params[index].grad is not None
+            if self._buffers.adopt_grad(index):  # None (no grad) or an assigned tensor (a grad)
+                self.received[index] = had_grad
                 self._grad_versions[bucket_index] = self._buffers.grad_buffers[bucket_index]._version
-            if grad is not None and grad is not self._buffers.grad_views[index]:
-                self.received[index] = 1
 
     def grad_presence(self) -> bytearray:
         """Per param, 1 if it holds a grad now (see Note [Which params got a grad])."""

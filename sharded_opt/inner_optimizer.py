@@ -99,13 +99,11 @@ def load_param_states(
                 key: value[start : start + param.numel()] if _is_local_elementwise(value) else _copy(value)
                 for key, value in state.items()
             }
-    indexed = []
-    start = 0
-    for inner_group, group in zip(inner.param_groups, groups, strict=True):
-        count = len(inner_group["params"])
-        indexed.append({**hyperparameters(group), "params": list(range(start, start + count))})
-        start += count
-    inner.load_state_dict({"state": inner_state, "param_groups": indexed})
+    configured = [
+        {**hyperparameters(group), "params": inner_group["params"]}
+        for inner_group, group in zip(inner.param_groups, groups, strict=True)
+    ]
+    inner.load_state_dict({"state": inner_state, "param_groups": indexed_groups(configured)})
 
 
 def indexed_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -110,8 +110,9 @@ class LocalShard:
         if master is None:
             return
         stale = master.to(self.param_view.dtype) != self.param_view
-        if stale.any():
-            master.copy_(torch.where(stale, self.param_view.to(master.dtype), master))
+        if master.device.type == "cpu" and not stale.any():  # on an accelerator .any() would sync
+            return
+        master.copy_(torch.where(stale, self.param_view.to(master.dtype), master))
 
     @torch.no_grad()
     def write_back(self) -> None:

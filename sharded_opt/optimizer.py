@@ -456,9 +456,8 @@ class ShardingStage1(torch.optim.Optimizer):
     def _broadcast_from_first_rank(self) -> None:
         if self.world_size == 1:
             return
-        source = dist.get_global_rank(self.process_group, 0)
         for buffer in self._buffers.param_buffers:
-            dist.broadcast(buffer, src=source, group=self.process_group)
+            dist.broadcast(buffer, src=self._first_rank(), group=self.process_group)
 
     def _first_rank(self) -> int:
         return dist.get_global_rank(self.process_group, 0)
@@ -566,7 +565,7 @@ class ShardingStage1(torch.optim.Optimizer):
 
     def _materialize(self, bucket_index: int) -> None:
         shard = self._comm.materialize(bucket_index)
-        if shard is not None and hasattr(self, "_inner"):
+        if shard is not None:
             add_shard(self._inner, shard)
 
     def _check_grads_not_written(self) -> None:
@@ -634,41 +633,45 @@ class ShardingStage1(torch.optim.Optimizer):
             work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
         self._presence = (flags, work)
 
-    def _agreed_presence(self) -> list[bool]:
+    def _agreed_presence(self) -> list[int]:
+        """Per param, 1 if it got a grad on some rank."""
         if self._presence is None:
             raise RuntimeError("ShardingStage1: the grad presence flags were never shared")
         flags, work = self._presence
         self._presence = None
         if work is not None:
             work.wait()
-        return [bool(flag) for flag in flags.tolist()]
+        return flags.tolist()
 
     @functools.cached_property
     def _flag_device(self) -> torch.device:
-        device = self.plan.buckets[0].device
-        if device.type != "cpu" and "gloo" in str(dist.get_backend(self.process_group)):
+        """CPU when the group runs CPU tensors on gloo (no device sync to read the flags), else
+        the params' device."""
+        if collectives.backend_for_device(self.process_group, "cpu") == "gloo":
             return torch.device("cpu")
-        return device
+        return self.plan.buckets[0].device
 
     def _step_inner(self, kwargs: dict[str, Any]) -> set[int]:
         """Step the pieces of params that got a grad on some rank; return the buckets changed."""
         presence = self._agreed_presence()
         stepped: set[int] = set()
+        skipped: list[tuple[torch.Tensor, torch.Tensor]] = []
         for shard in self._comm.live_shards():
             if any(presence[slot.param_index] for slot in shard.bucket.slots):
                 stepped.add(shard.bucket.index)
                 shard.refresh_master()
-            for inner, owner in zip(shard.inner_params, shard.inner_owners, strict=True):
+            for inner, grad, owner in zip(
+                shard.inner_params, shard.inner_grads, shard.inner_owners, strict=True
+            ):
                 if not presence[owner]:
                     inner.grad = None
+                    skipped.append((inner, grad))
         self._sync_hyperparameters()
         try:
             self._inner.step(**kwargs)
         finally:
-            for shard in self._comm.live_shards():
-                for inner, grad in zip(shard.inner_params, shard.inner_grads, strict=True):
-                    if inner.grad is None:
-                        inner.grad = grad
+            for inner, grad in skipped:
+                inner.grad = grad
         return stepped
 
     def _sync_hyperparameters(self) -> None:

@@ -56,10 +56,12 @@ def local_pieces(optimizer: ShardingStage1) -> dict[int, ShardPiece]:
     return pieces
 
 
-def describe_param_states(optimizer: ShardingStage1) -> dict[int, dict[str, Any]]:
+def describe_param_states(
+    optimizer: ShardingStage1, local: dict[int, ParamState]
+) -> dict[int, dict[str, Any]]:
     """Per param with state (every rank gets all of them; collective when sharded): per key,
-    ``("elementwise", dtype)`` or ``("scalar", value)``. See Note [Element-wise and scalar state]."""
-    local = param_states(optimizer._inner, optimizer._comm.live_shards())
+    ``("elementwise", dtype)`` or ``("scalar", value)``, from this rank's ``local`` states (as
+    :func:`param_states` returns them). See Note [Element-wise and scalar state]."""
     pieces = local_pieces(optimizer)
     own: dict[int, dict[str, Any]] = {}
     for index, state in local.items():
@@ -94,8 +96,8 @@ def gather_state_dict(optimizer: ShardingStage1, to_rank: int | None) -> dict[st
     With ``to_rank``, full tensors are reduced to that rank only and the others return None.
     At most one param's full state tensor exists at a time beyond the local shards.
     """
-    descriptions = describe_param_states(optimizer)
     local = param_states(optimizer._inner, optimizer._comm.live_shards())
+    descriptions = describe_param_states(optimizer, local)
     pieces = local_pieces(optimizer)
     params = optimizer._buffers.params
     state: dict[int, dict[str, Any]] = {}
