@@ -4,14 +4,18 @@ Nothing here allocates a tensor or talks to another rank; a plan is a frozen des
 ``fusion.buffers`` executes and that the communication code in ``sharded_opt`` reads.
 
 Note [Alignment and padding]
-    Every param starts at a multiple of ``align_bytes // element_size`` elements (256 bytes by
-    default, as in Paddle's fused buffers) so that each param view, and vectorized kernels over
-    it, start on an aligned address. Each bucket's numel is padded to a multiple of
-    ``world_size * align_elems``: the bucket then splits into ``world_size`` equal shards (equal
-    shards are what reduce_scatter/all_gather need) and every shard also starts aligned. The
-    weaker rule ``lcm(world_size, align_elems)`` used elsewhere gives equal shards whose starts are
-    not aligned (world_size 2, 64-element alignment: shards of 32 elements). The price is at most
-    ``world_size * align_elems - 1`` padding elements per bucket, negligible next to a bucket.
+    A param of at least ``align_bytes // element_size`` elements (256 bytes by default, as in
+    Paddle's fused buffers) starts at a multiple of that many elements, so that its view, and
+    vectorized kernels over it, start on an aligned address. A smaller param (a scalar, a bias
+    of a few elements) is packed densely right after the param before it: a kernel over fewer
+    elements than one aligned block gains nothing from an aligned start, while padding it to a
+    full block made a model of scalar params take 64 times its size (fp32, 256 bytes). Each
+    bucket's numel is padded to a multiple of ``world_size * align_elems``: the bucket then splits
+    into ``world_size`` equal shards (equal shards are what reduce_scatter/all_gather need) and
+    every shard also starts aligned. The weaker rule ``lcm(world_size, align_elems)`` used
+    elsewhere gives equal shards whose starts are not aligned (world_size 2, 64-element
+    alignment: shards of 32 elements). The price is at most ``world_size * align_elems - 1``
+    padding elements per bucket, negligible next to a bucket.
 
 Note [Bucket order]
     Params are laid out in reverse registration order, which approximates the order in which
@@ -48,7 +52,8 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_ALIGN_BYTES = 256
-"""Param and shard start alignment; 256 bytes covers 128-byte cache lines and GPU vector loads."""
+"""Param and shard start alignment; 256 bytes covers 128-byte cache lines and GPU vector loads.
+Params smaller than this are packed densely, see Note [Alignment and padding]."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +202,13 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def slot_offset(cursor: int, numel: int, align: int) -> int:
+    """Where a param of ``numel`` elements starts when the bucket's used part ends at ``cursor``:
+    aligned to ``align`` elements if it has at least that many, else packed densely at
+    ``cursor``, see Note [Alignment and padding]."""
+    return cursor if numel < align else round_up(cursor, align)
+
+
 def plan_layout(
     params: list[ParamSpec | None],
     world_size: int,
@@ -212,7 +224,8 @@ def plan_layout(
             is left out and keeps its index free. Params that do not require grad get buckets
             of their own (see :class:`ParamSpec`).
         world_size: number of shards each bucket is split into.
-        align_bytes: start alignment of each param and each shard, see Note [Alignment and padding].
+        align_bytes: start alignment of each shard and of each param of at least this many
+            bytes (smaller ones are packed densely), see Note [Alignment and padding].
         bucket_size_bytes: a bucket is closed once adding the next param would exceed this size;
             a param larger than this gets a bucket of its own.
         first_bucket_bytes: the same bound for the first bucket of each (dtype, device, param
@@ -272,7 +285,7 @@ def _build_bucket(
     slots = []
     cursor = 0
     for param_index, spec in members:
-        offset = round_up(cursor, align)
+        offset = slot_offset(cursor, spec.numel, align)
         slots.append(ParamSlot(param_index, bucket_index, offset, spec.numel, spec.shape, spec.strides))
         cursor = offset + spec.numel
     padded = round_up(max(cursor, 1), world_size * align)
@@ -300,8 +313,8 @@ class _OpenBucket:
         self.cursor = 0
 
     def bytes_after(self, spec: ParamSpec) -> int:
-        return (round_up(self.cursor, self.align) + spec.numel) * spec.dtype.itemsize
+        return (slot_offset(self.cursor, spec.numel, self.align) + spec.numel) * spec.dtype.itemsize
 
     def add(self, index: int, spec: ParamSpec) -> None:
         self.members.append((index, spec))
-        self.cursor = round_up(self.cursor, self.align) + spec.numel
+        self.cursor = slot_offset(self.cursor, spec.numel, self.align) + spec.numel

@@ -38,7 +38,8 @@ class ShardingConfig:
     each costs a collective's fixed latency."""
 
     align_bytes: int = DEFAULT_ALIGN_BYTES
-    """Start alignment of each param and each shard in bytes; a power of two."""
+    """Start alignment of each shard, and of each param of at least this many bytes (smaller ones
+    are packed densely), in bytes; a power of two."""
 
     reduce_dtype: torch.dtype | None = None
     """Dtype grads are averaged in. None: fp32 for 16-bit params (bf16 sums lose precision

@@ -238,12 +238,12 @@ def test_shards_are_slices_of_the_buffers(world_size):
 
 
 def test_writes_through_a_shard_reach_the_params():
-    params = [make_param(10, seed=1), make_param(3, seed=2)]
+    params = [make_param(64, seed=1), make_param(3, seed=2)]
     plan, flat = wrap(params, world_size=3)
-    # 64-element alignment: param 1 at [0, 3), param 0 at [64, 74); shards of 64.
+    # 64-element alignment: param 1 at [0, 3), param 0 at [64, 128); shards of 64.
     flat.param_shard(0, 1).fill_(7.0)
     flat.grad_shard(0, 0).fill_(5.0)
-    assert torch.equal(params[0].detach(), torch.full((10,), 7.0))
+    assert torch.equal(params[0].detach(), torch.full((64,), 7.0))
     assert torch.equal(params[1].grad, torch.full((3,), 5.0))
     assert not params[0].grad.any()
 

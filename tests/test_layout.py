@@ -1,7 +1,8 @@
 """Tests for the pure layout planner in ``fusion.layout``.
 
 Expected values are worked out here from the layout rules (reverse registration order, aligned
-offsets, greedy bucket closing, padding to ``world_size * align_elems``), not from the planner.
+offsets for params of at least ``align_elems`` elements and dense packing of smaller ones, greedy
+bucket closing, padding to ``world_size * align_elems``), not from the planner.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def elems_per_align(dtype: torch.dtype, align_bytes: int) -> int:
 
 def ceil_to(value: int, multiple: int) -> int:
     return math.ceil(value / multiple) * multiple
+
+
+def start_after(end: int, numel: int, align: int) -> int:
+    """Where a param starts after the bucket's used part: aligned if it fills an aligned block,
+    else right at ``end``."""
+    return end if numel < align else ceil_to(end, align)
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,7 +107,7 @@ def reference_buckets(
         align = elems_per_align(p.dtype, align_bytes)
         members = open_groups.get(key)
         if members is not None:
-            end_if_added = ceil_to(open_end[key], align) + math.prod(p.shape)
+            end_if_added = start_after(open_end[key], math.prod(p.shape), align) + math.prod(p.shape)
             limit = bucket_size_bytes
             if key not in first_keys and first_bucket_bytes is not None:
                 limit = first_bucket_bytes
@@ -112,7 +119,7 @@ def reference_buckets(
             members = open_groups[key] = []
             open_end[key] = 0
         members.append(index)
-        open_end[key] = ceil_to(open_end[key], align) + math.prod(p.shape)
+        open_end[key] = start_after(open_end[key], math.prod(p.shape), align) + math.prod(p.shape)
     done.extend(open_groups.values())
     # Layout position grows as the registration index shrinks.
     done.sort(key=lambda members: -members[0])
@@ -169,7 +176,8 @@ def check_plan(
         for prev, nxt in pairwise(key_buckets):
             align = elems_per_align(prev.dtype, align_bytes)
             first = nxt.slots[0]
-            assert (ceil_to(prev.used_numel, align) + first.numel) * ITEMSIZE[prev.dtype] > bsize
+            end_if_added = start_after(prev.used_numel, first.numel, align) + first.numel
+            assert end_if_added * ITEMSIZE[prev.dtype] > bsize
             # And buckets of one key never interleave in layout order.
             assert prev.slots[-1].param_index > first.param_index
 
@@ -185,16 +193,20 @@ def check_bucket(bucket, params, world_size: int, align_bytes: int, bsize: int):
     itemsize = ITEMSIZE[bucket.dtype]
     align = elems_per_align(bucket.dtype, align_bytes)
 
-    # Reverse registration order, aligned offsets, no overlap, tight packing.
+    # Reverse registration order, no overlap, tight packing: a param of at least one aligned
+    # block starts at the first aligned offset after the one before it, a smaller one right after.
     end = 0
     prev_index = None
     for slot in bucket.slots:
         if prev_index is not None:
             assert slot.param_index < prev_index
         prev_index = slot.param_index
-        assert slot.offset % align == 0
-        assert slot.offset >= end
-        assert slot.offset - end < align
+        if slot.numel >= align:
+            assert slot.offset % align == 0
+            assert slot.offset >= end
+            assert slot.offset - end < align
+        else:
+            assert slot.offset == end
         end = slot.offset + slot.numel
     assert bucket.used_numel == end
 
@@ -356,20 +368,50 @@ def test_rejects_bad_first_bucket_size(first_bucket_bytes):
 
 def test_two_float32_params_world_size_3():
     # align 256 bytes / 4 bytes = 64 elements. Reverse order: param 1 (3 elems) at 0, param 0
-    # (10 elems) at the next multiple of 64 -> 64. Used 74; quantum 3 * 64 = 192 -> padded 192.
-    plan = plan_layout([spec(10), spec(3)], 3, align_bytes=256, bucket_size_bytes=1 << 20)
+    # (70 elems, at least one aligned block) at the next multiple of 64 -> 64. Used 134; quantum
+    # 3 * 64 = 192 -> padded 192.
+    plan = plan_layout([spec(70), spec(3)], 3, align_bytes=256, bucket_size_bytes=1 << 20)
     (bucket,) = plan.buckets
     assert bucket.dtype == torch.float32 and bucket.group_index == 0 and bucket.device == CPU
-    assert bucket.slots == (ParamSlot(1, 0, 0, 3, (3,)), ParamSlot(0, 0, 64, 10, (10,)))
+    assert bucket.slots == (ParamSlot(1, 0, 0, 3, (3,)), ParamSlot(0, 0, 64, 70, (70,)))
     assert plan.slots == (bucket.slots[1], bucket.slots[0])
-    assert bucket.used_numel == 74
+    assert bucket.used_numel == 134
     assert bucket.padded_numel == 192
     assert bucket.shard_numel == 64
     assert bucket.shard_range(0) == (0, 64)
     assert bucket.shard_range(2) == (128, 192)
     assert bucket.shard_pieces(0) == (ShardPiece(1, 0, 0, 3),)
+    assert bucket.shard_pieces(1) == (ShardPiece(0, 0, 0, 64),)
+    assert bucket.shard_pieces(2) == (ShardPiece(0, 64, 0, 6),)
+
+
+def test_small_params_pack_densely_big_ones_stay_aligned():
+    # fp32, 64-element alignment. Reverse order: 3 (5 elems) at 0, 2 (3 elems) right after it at
+    # 5, 1 (64 elems) at the next block, 64, and 0 (10 elems) right after it at 128; used 138,
+    # world size 2 pads to 256.
+    plan = plan_layout([spec(10), spec(64), spec(3), spec(5)], 2, align_bytes=256, bucket_size_bytes=1 << 20)
+    (bucket,) = plan.buckets
+    assert [(s.param_index, s.offset) for s in bucket.slots] == [(3, 0), (2, 5), (1, 64), (0, 128)]
+    assert bucket.used_numel == 138
+    assert bucket.padded_numel == 256
+    assert bucket.shard_pieces(0) == (
+        ShardPiece(3, 0, 0, 5),
+        ShardPiece(2, 0, 5, 3),
+        ShardPiece(1, 0, 64, 64),
+    )
     assert bucket.shard_pieces(1) == (ShardPiece(0, 0, 0, 10),)
-    assert bucket.shard_pieces(2) == ()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ten_thousand_scalars_cost_their_own_size(world_size):
+    # 10,000 fp32 scalars: packed densely they take 10,000 elements plus the bucket padding to a
+    # multiple of world_size * 64 (with a 256-byte slot each they took 64 times that).
+    plan = plan_layout([spec() for _ in range(10_000)], world_size, bucket_size_bytes=1 << 30)
+    (bucket,) = plan.buckets
+    assert [s.offset for s in bucket.slots] == list(range(10_000))
+    assert bucket.padded_numel == ceil_to(10_000, world_size * 64)
+    assert bucket.padded_numel <= 1.1 * 10_000
+    assert bucket.shard_numel * world_size == bucket.padded_numel and bucket.shard_numel % 64 == 0
 
 
 def test_param_split_across_shards():
@@ -399,9 +441,9 @@ def test_padding_rounds_to_world_size_times_alignment():
 def test_default_alignment_is_256_bytes():
     assert DEFAULT_ALIGN_BYTES == 256
     plan = plan_layout(
-        [spec(1, dtype=torch.float64), spec(1, dtype=torch.float64)], 1, bucket_size_bytes=1 << 20
+        [spec(32, dtype=torch.float64), spec(1, dtype=torch.float64)], 1, bucket_size_bytes=1 << 20
     )
-    # float64: 256 / 8 = 32 elements.
+    # float64: 256 / 8 = 32 elements; the scalar first, the 32-element param at the next block.
     assert [s.offset for s in plan.buckets[0].slots] == [0, 32]
     assert plan.buckets[0].padded_numel == 64
 
@@ -439,12 +481,19 @@ def test_bucket_closes_when_next_param_would_overflow():
 
 
 def test_bucket_size_counts_alignment_gaps():
-    # 64-element alignment: param 1 (1 elem) at 0, param 0 would sit at 64 -> 65 * 4 = 260 bytes.
-    params = [spec(1), spec(1)]
-    plan = plan_layout(params, 1, align_bytes=256, bucket_size_bytes=260)
+    # 64-element alignment: param 1 (1 elem) at 0, param 0 (64 elems) would sit at 64 and end at
+    # 128 -> 512 bytes.
+    params = [spec(64), spec(1)]
+    plan = plan_layout(params, 1, align_bytes=256, bucket_size_bytes=512)
     assert [[s.param_index for s in b.slots] for b in plan.buckets] == [[1, 0]]
-    plan = plan_layout(params, 1, align_bytes=256, bucket_size_bytes=259)
+    plan = plan_layout(params, 1, align_bytes=256, bucket_size_bytes=511)
     assert [[s.param_index for s in b.slots] for b in plan.buckets] == [[1], [0]]
+
+
+def test_bucket_size_counts_small_params_densely():
+    # Two scalars with 64-element alignment take 2 elements (8 bytes), not 65.
+    plan = plan_layout([spec(1), spec(1)], 1, align_bytes=256, bucket_size_bytes=8)
+    assert [[s.param_index for s in b.slots] for b in plan.buckets] == [[1, 0]]
 
 
 def test_oversized_param_gets_its_own_bucket():

@@ -1,0 +1,101 @@
+"""Backward time and buffer memory for a model of many small params: plain ``torch.optim``
+against ``ShardingStage1`` in sync and overlap mode, interleaved, medians.
+
+    python -m benchmarks.small_params [--world-sizes 1 2] [--repeats 30]
+
+The model is ``benchmarks.inner_step.ManyScalars`` (10,000 scalar params), the worst case for
+per-param work in backward (one post-accumulate-grad hook each) and for per-param padding in
+the flat buffers. Each rank builds one plain and two wrapped copies and, in every repeat, runs
+``zero_grad``, forward, backward and ``step`` on each in turn; only ``backward()`` is timed
+(wall clock and the calling thread's CPU time: on CPU the autograd engine runs in the calling
+thread, so CPU time is less disturbed by other processes on a shared machine). Memory is the
+bytes of params and grads: the flat buffers for the wrapper, the tensors themselves for plain
+torch. One thread per rank, as each of two ranks gets on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from benchmarks.inner_step import ManyScalars
+from sharded_opt import ShardingStage1, spawn
+
+MODES = ("plain", "sync", "overlap")
+
+
+def _build(mode: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = ManyScalars()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if mode == "plain":
+        return model, inner
+    return model, ShardingStage1(inner, overlap=mode == "overlap", model=model)
+
+
+def _param_and_grad_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    if isinstance(opt, ShardingStage1):
+        memory = opt.memory_bytes()
+        return memory["params"] + memory["grads"]
+    return sum(2 * p.numel() * p.element_size() for p in model.parameters())
+
+
+def _time_backward(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[float, float]:
+    opt.zero_grad()
+    loss = model()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    loss.backward()
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    opt.step()
+    return wall * 1e3, cpu * 1e3
+
+
+def measure(repeats: int) -> dict[str, dict[str, float]]:
+    """One rank's medians per mode: ``wall_ms``, ``cpu_ms`` of backward, and ``bytes``."""
+    torch.set_num_threads(1)
+    built = {mode: _build(mode) for mode in MODES}
+    walls: dict[str, list[float]] = {mode: [] for mode in MODES}
+    cpus: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for repeat in range(repeats + 1):
+        for mode in MODES:
+            wall, cpu = _time_backward(*built[mode])
+            if repeat > 0:  # the first backward creates grads and state: warm-up
+                walls[mode].append(wall)
+                cpus[mode].append(cpu)
+    return {
+        mode: {
+            "wall_ms": statistics.median(walls[mode]),
+            "cpu_ms": statistics.median(cpus[mode]),
+            "bytes": _param_and_grad_bytes(*built[mode]),
+        }
+        for mode in MODES
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    print(
+        "| world size | mode | backward wall (ms) | backward CPU (ms) | CPU / plain "
+        "| params+grads (bytes) | / plain |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for world_size in args.world_sizes:
+        rank0 = spawn(measure, args=(args.repeats,), nprocs=world_size)[0]
+        plain = rank0["plain"]
+        for mode in MODES:
+            row = rank0[mode]
+            cpu_ratio, bytes_ratio = row["cpu_ms"] / plain["cpu_ms"], row["bytes"] / plain["bytes"]
+            print(
+                f"| {world_size} | {mode} | {row['wall_ms']:.1f} | {row['cpu_ms']:.1f} | {cpu_ratio:.3f} "
+                f"| {row['bytes']} | {bytes_ratio:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
