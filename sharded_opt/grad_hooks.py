@@ -45,7 +45,20 @@ Note [Launching reductions during backward]
     summed by autograd before its single accumulation, so its hook fires once per backward.
 
     The hook body is kept tiny (a flag, a counter and an identity check) because it runs once
-    per param per backward; all real work happens once per bucket.
+    per param per backward; all real work happens once per bucket. See Note [Hook cost].
+
+Note [Hook cost]
+    A model of 10,000 scalar params runs 10,000 hooks per backward, so every call the hook
+    makes shows (see ``benchmarks/small_params.py``). The hook is a slotted object holding what
+    it needs precomputed (its param's index, bucket, data pointer and grad view) and a plain
+    ``weakref.ref`` to the tracker; the body reads the tracker's state directly instead of
+    calling a bound method through ``weakref.WeakMethod`` (a Python-level call that builds a
+    bound method and an argument tuple each time, which cost more than the rest of the body).
+    The overlap-only counting is one more call, and its launch check runs only when the
+    hook completes a bucket. Per backward, the scan of ``requires_grad`` (Note [Which params
+    got a grad]) is one C-level pass compared against the last one, and the full re-scan runs
+    only when a flag changed; which params hold a grad at the end of backward is likewise
+    read in one C-level pass.
 
 Note [End of backward under reentrant checkpointing]
     ``queue_callback`` queues on the backward that is running when it is called. With
@@ -63,14 +76,20 @@ Note [End of backward under reentrant checkpointing]
 
 from __future__ import annotations
 
+import operator
+import weakref
 from collections.abc import Callable
+from itertools import repeat
 
 import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from fusion.buffers import FlatBuffers
-from sharded_opt.weak_hooks import WeakMethodHook, remove_handles
+from sharded_opt.weak_hooks import InertHook, WeakMethodHook, remove_handles
+
+_requires_grad = operator.attrgetter("requires_grad")
+_grad = operator.attrgetter("grad")
 
 
 class GradReadyTracker:
@@ -114,11 +133,10 @@ class GradReadyTracker:
         self._expected = [0] * len(self._buckets)
         self.accumulate_only = False
         """True inside ``no_sync()``: grads accumulate in the buffers and nothing is launched."""
-        # Where each param's data lives while this tracker owns it; a param that moved on (into
-        # another wrapper's buffers) is no longer this tracker's business.
-        self._data_ptrs = [None if view is None else view.data_ptr() for view in buffers.param_views]
         self.handles: list[RemovableHandle] = []
         """The hooks this tracker installed; see Note [Hook lifetimes and copies]."""
+        self._laid_out_params = [buffers.params[index] for index in buffers.laid_out_indices]
+        self._requires_grad_at_scan: bytes | None = None
         self._iteration = 0
         self.scan()
         self.reset()
@@ -151,6 +169,9 @@ class GradReadyTracker:
     def scan(self) -> None:
         """Re-read ``requires_grad``, see Note [Which params got a grad]."""
         self._scanned = True
+        requires_grad = bytes(map(_requires_grad, self._laid_out_params))
+        if requires_grad == self._requires_grad_at_scan:
+            return
         params = self._buffers.params
         expected = [0] * len(self._buckets)
         for index in self._buffers.laid_out_indices:
@@ -162,11 +183,12 @@ class GradReadyTracker:
             if not self._hooked[index]:
                 self._hook(index, bucket_index, param)
         self._expected = expected
+        self._requires_grad_at_scan = requires_grad
 
     def _hook(self, index: int, bucket_index: int, param: Tensor) -> None:
         arrived_before_hook = param.grad is not None and param.grad is not self._buffers.grad_views[index]
         self._materialize(bucket_index)
-        hook = WeakMethodHook(self._on_grad_accumulated, index, bucket_index)
+        hook = _AccumulateGradHook(self, index, bucket_index)
         self.handles.append(param.register_post_accumulate_grad_hook(hook))
         self._hooked[index] = 1
         if arrived_before_hook:
@@ -183,6 +205,7 @@ class GradReadyTracker:
     def remove_hooks(self) -> None:
         remove_handles(self.handles)
         self._hooked = bytearray(len(self._buffers.params))
+        self._requires_grad_at_scan = None
 
     def _flush_at_end_of_backward(self) -> None:
         enclosing = torch._C._current_autograd_node()
@@ -200,18 +223,9 @@ class GradReadyTracker:
         if iteration == self._iteration and not self._flushed_at_end:
             torch.autograd.Variable._execution_engine.queue_callback(self._flush_at_end_of_backward)
 
-    def _on_grad_accumulated(self, param_index: int, bucket_index: int, param: Tensor) -> None:
-        if param.data_ptr() != self._data_ptrs[param_index]:
-            return
-        self._buffers.adopt_grad(param_index)
-        self.received[param_index] = 1
-        self._grad_versions[bucket_index] = self._buffers.grad_buffers[bucket_index]._version
-        if self._note_grad_stream is not None:
-            self._note_grad_stream(bucket_index)
-        if not self._scanned:
-            self.scan()
-        if self._start_grad_sync is None or self.accumulate_only:
-            return
+    def _count(self, param_index: int, bucket_index: int) -> None:
+        """Overlap mode, outside ``no_sync()``: count the grad and launch what is ready, see
+        Note [Launching reductions during backward]."""
         if self._counted[param_index] or bucket_index < self._next_to_launch:
             raise RuntimeError(
                 "ShardingStage1(overlap=True): a second backward ran before step(), after the "
@@ -222,8 +236,11 @@ class GradReadyTracker:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._flush_at_end_of_backward)
-        self._counts[bucket_index] += 1
-        self._launch_ready()
+        counts = self._counts
+        counts[bucket_index] += 1
+        # Only a bucket that just completed can extend the launched prefix.
+        if counts[bucket_index] >= self._expected[bucket_index]:
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         while (
@@ -287,9 +304,54 @@ class GradReadyTracker:
 
     def grad_presence(self) -> bytearray:
         """Per param, 1 if it holds a grad now (see Note [Which params got a grad])."""
-        params = self._buffers.params
-        presence = bytearray(self.received)
-        for index, flag in enumerate(presence):
-            if flag and params[index].grad is None:
-                presence[index] = 0
-        return presence
+        num_params = len(self.received)
+        # Both are 0/1 per byte, so one integer AND is the per-param AND (see Note [Hook cost]).
+        holds_grad = bytes(map(operator.is_not, map(_grad, self._buffers.params), repeat(None)))
+        presence = int.from_bytes(self.received, "little") & int.from_bytes(holds_grad, "little")
+        return bytearray(presence.to_bytes(num_params, "little"))
+
+
+class _AccumulateGradHook:
+    """The post-accumulate-grad hook of one param: records the grad for its tracker, see Note
+    [Hook cost]. Refers to the tracker weakly and does nothing once it is gone or once the
+    param's data lives elsewhere (another wrapper took it); copies and pickles are
+    :class:`~sharded_opt.weak_hooks.InertHook` (Note [Hook lifetimes and copies])."""
+
+    __slots__ = ("_tracker", "_index", "_bucket_index", "_data_ptr", "_grad_view")
+
+    def __init__(self, tracker: GradReadyTracker, index: int, bucket_index: int) -> None:
+        buffers = tracker._buffers
+        grad_view = buffers.grad_views[index]
+        if grad_view is None:
+            raise RuntimeError(f"GradReadyTracker: param {index} is hooked before its bucket has grads")
+        self._tracker = weakref.ref(tracker)
+        self._index = index
+        self._bucket_index = bucket_index
+        self._data_ptr = buffers.param_views[index].data_ptr()
+        self._grad_view = grad_view
+
+    def __call__(self, param: Tensor) -> None:
+        tracker = self._tracker()
+        if tracker is None or param.data_ptr() != self._data_ptr:
+            return
+        index, bucket_index = self._index, self._bucket_index
+        if param.grad is not self._grad_view:
+            tracker._buffers.adopt_grad(index)
+        tracker.received[index] = 1
+        # A view shares its bucket buffer's version counter, see Note [Grads written after backward].
+        tracker._grad_versions[bucket_index] = self._grad_view._version
+        if tracker._note_grad_stream is not None:
+            tracker._note_grad_stream(bucket_index)
+        if not tracker._scanned:
+            tracker.scan()
+        if tracker._start_grad_sync is not None and not tracker.accumulate_only:
+            tracker._count(index, bucket_index)
+
+    def __deepcopy__(self, memo: dict) -> InertHook:
+        return InertHook()
+
+    def __copy__(self) -> InertHook:
+        return InertHook()
+
+    def __reduce__(self) -> tuple[type[InertHook], tuple[()]]:
+        return (InertHook, ())
