@@ -5,8 +5,8 @@ against ``ShardingStage1`` in sync and overlap mode, interleaved, medians.
 
 The model is ``benchmarks.inner_step.ManyScalars`` (10,000 scalar params), the worst case for
 per-param work in backward (one post-accumulate-grad hook each) and for per-param padding in
-the flat buffers. Each rank builds one plain and two wrapped copies and, in every repeat, runs
-``zero_grad``, forward, backward and ``step`` on each in turn; only ``backward()`` is timed
+the flat buffers. Each rank builds two plain and two wrapped copies and, in every repeat, runs
+``zero_grad``, forward, backward and ``step`` on each in turn (see ``MODES``); only ``backward()`` is timed
 (wall clock and the calling thread's CPU time: on CPU the autograd engine runs in the calling
 thread, so CPU time is less disturbed by other processes on a shared machine). Memory is the
 bytes of params and grads: the flat buffers for the wrapper, the tensors themselves for plain
@@ -25,13 +25,16 @@ from torch import nn
 from benchmarks.inner_step import ManyScalars
 from sharded_opt import ShardingStage1, spawn
 
-MODES = ("plain", "sync", "overlap")
+MODES = ("plain", "plain_kept_grads", "sync", "overlap")
+"""``plain_kept_grads`` is plain torch zeroing grads with ``set_to_none=False``: backward then
+adds into existing grads in place, as it does into the wrapper's flat grad buffers, instead of
+taking autograd's grad tensors as they are; it separates that cost from the hooks'."""
 
 
 def _build(mode: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = ManyScalars()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if mode == "plain":
+    if mode.startswith("plain"):
         return model, inner
     return model, ShardingStage1(inner, overlap=mode == "overlap", model=model)
 
@@ -43,8 +46,8 @@ def _param_and_grad_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return sum(2 * p.numel() * p.element_size() for p in model.parameters())
 
 
-def _time_backward(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[float, float]:
-    opt.zero_grad()
+def _time_backward(model: nn.Module, opt: torch.optim.Optimizer, set_to_none: bool) -> tuple[float, float]:
+    opt.zero_grad(set_to_none=set_to_none)
     loss = model()
     wall, cpu = time.perf_counter(), time.thread_time()
     loss.backward()
@@ -61,7 +64,7 @@ def measure(repeats: int) -> dict[str, dict[str, float]]:
     cpus: dict[str, list[float]] = {mode: [] for mode in MODES}
     for repeat in range(repeats + 1):
         for mode in MODES:
-            wall, cpu = _time_backward(*built[mode])
+            wall, cpu = _time_backward(*built[mode], set_to_none=mode != "plain_kept_grads")
             if repeat > 0:  # the first backward creates grads and state: warm-up
                 walls[mode].append(wall)
                 cpus[mode].append(cpu)
