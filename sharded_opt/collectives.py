@@ -96,10 +96,11 @@ def _reduce_scatter_by_all_to_all(
     output: Tensor, input: Tensor, group: ProcessGroup, async_op: bool
 ) -> Future | None:
     """See Note [Reduce-scatter on gloo]."""
+    world_size = dist.get_world_size(group)
     received = torch.empty_like(input)  # slice r of every rank, in rank order
 
     def average(_: Future | None = None) -> None:
-        sum_received(output, received)
+        sum_received(output, received, world_size)
         if received.device.type != "cpu":
             # A device future runs its callbacks on a stream of its choosing; without this the
             # block could be reused on the comm stream while the sum still reads it. See
@@ -174,7 +175,7 @@ def _reduce_scatter_by_p2p(
     """See Note [Reduce-scatter on gloo]."""
     received = torch.empty_like(input)  # slice r of every rank, in rank order
     works = start_reduce_scatter_by_p2p(received, input, group)
-    average = functools.partial(sum_received, output, received)
+    average = functools.partial(sum_received, output, received, group.size())
     if async_op:
         return _in_background(works, average)
     works.wait()
@@ -194,9 +195,8 @@ def start_reduce_scatter_by_p2p(received: Tensor, input: Tensor, group: ProcessG
     return _exchange(slices, rows, group)
 
 
-def sum_received(output: Tensor, received: Tensor) -> None:
-    """Average the N slices of ``received`` into ``output``, summed in rank order."""
-    world_size = received.numel() // output.numel()
+def sum_received(output: Tensor, received: Tensor, world_size: int) -> None:
+    """Average the ``world_size`` slices of ``received`` into ``output``, summed in rank order."""
     torch.sum(received.view(world_size, -1), dim=0, out=output)
     output.div_(world_size)
 
