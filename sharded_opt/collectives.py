@@ -31,21 +31,27 @@ Note [Reduce-scatter on gloo]
     the order they were posted, and every rank posts the same collectives in the same order.
 
     Measured here (benchmarks/results/2026-12-03-gloo-p2p-cpu-2core.md; 2 ranks, the default
-    GPT's 13 buckets, 12.4 MiB, all in flight at once as in a step; medians): on a 200 Mbit/s
-    link (260 ms is the wire limit for each) the reduce-scatter took 323 ms against 355 ms for
-    the all-to-all, the all-gather 302 ms against 332 ms for gloo's; on loopback 19.5 against
-    25.4 ms and 10.5 against 21.7 ms. With many buckets in flight gloo's collectives overlap
-    each other's directions, so the gain per step is ~10% on a link, not the 2x of one bucket.
+    GPT's 13 buckets, 12.4 MiB, all in flight at once as in a step; interleaved medians on a
+    loaded machine): on a 200 Mbit/s link, where 261 ms is the wire limit of each, the
+    reduce-scatter took 307-323 ms against 312-355 ms for the all-to-all and the all-gather
+    279-302 against 288-332 ms for gloo's: 2-9%, not the 2x and 1.5x of a single bucket,
+    because with many buckets in flight gloo's collectives already overlap each other's
+    directions. On loopback the
+    all-gather is twice as fast (8.8 against 17.6 ms), the reduce-scatter was 20-30% slower in
+    two of three runs (23.2 against 19.1 ms): the helper thread and the copy of the own slice
+    against gloo's all-to-all, which sums on its own worker thread. Both together were faster in
+    every run, on the link and on loopback.
 
-    The receive buffer is allocated per call on purpose: persistent per-bucket buffers did not
-    make the point-to-point reduce-scatter faster (384 against 323 ms on the link, 21.6 against
-    19.5 ms on loopback, within the noise of a loaded machine) and would cost a permanent extra
-    copy of every grad bucket, +4 bytes per fp32 param on every rank (ZeRO-1's optimizer state
-    is 12/N). A per-call buffer lives only while its bucket is in flight.
+    The receive buffer is allocated per call on purpose: persistent per-bucket buffers were
+    within the noise of per-call ones in every run (faster in three, slower in two), and they
+    would cost a permanent extra copy of every grad bucket, +4 bytes per fp32 param on every
+    rank (ZeRO-1's optimizer state is 12/N). A per-call buffer lives only while its bucket is in
+    flight.
 
     gloo with accelerator tensors (two ranks on one GPU in benchmarks/gpu_check.py) keeps the
-    all-to-all plus local sum and gloo's all-gather: gloo's point-to-point reads the tensor's
-    memory directly, which only works for host memory. NCCL uses its own collectives.
+    all-to-all plus local sum and gloo's all-gather: gloo's send and recv hand the tensor's data
+    pointer to its transport without staging through the host as its collectives do (not tried
+    on a GPU). NCCL uses its own collectives.
 
 torch 2.13 renamed ``reduce_scatter_tensor``/``all_gather_into_tensor`` to
 ``reduce_scatter_single``/``all_gather_single`` and warns on the old names; older releases only
