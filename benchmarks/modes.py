@@ -224,8 +224,8 @@ def comm_bytes_per_step(runner: Runner, world_size: int) -> dict[str, float]:
       ZeroRedundancyOptimizer: DDP's all-reduce plus one broadcast of each param from its owner:
         payload 2P, wire >= 3(N-1)/N * P.
     gloo has no native reduce-scatter (torch runs it as a full all-reduce); ShardingStage1 therefore
-    reduce-scatters on gloo with an all-to-all, which sends the same (N-1)/N * B (see Note
-    [Reduce-scatter on gloo] in sharded_opt/collectives.py).
+    reduce-scatters and all-gathers CPU tensors on gloo over point-to-point, which sends the same
+    (N-1)/N * B each (see Note [Reduce-scatter on gloo] in sharded_opt/collectives.py).
     """
     if world_size == 1 or runner.name == COMPUTE_ONLY:
         return {"payload": 0.0, "wire_per_rank": 0.0}

@@ -1,23 +1,57 @@
 """Stateless wrappers over the torch.distributed collectives the wrapper uses.
 
 Note [Reduce-scatter on gloo]
-    Gloo has no native reduce-scatter: torch runs it as a full all-reduce and keeps a slice, so
-    it moves as many bytes as DDP's all-reduce, and ZeRO's all-gather then comes on top (1.5x
-    DDP's bytes). On gloo the reduce-scatter is therefore one ``all_to_all_single`` (rank r
-    receives every rank's r-th slice: (N-1)/N of the bucket, the bytes of a true reduce-scatter)
-    followed by a local sum over the N slices in rank order and a division by N. Measured here
-    with 2 ranks on a 16 MiB bucket: 26.4 ms as gloo's reduce-scatter, 15.8 ms as an all-reduce,
-    11.1 ms as all-to-all plus the sum. The sum runs as a callback of the all-to-all's future,
-    on gloo's thread, so it overlaps compute too; its order is fixed, so results are
-    deterministic and the same in sync and overlap mode. That thread runs the sum on one core
-    (``torch.get_num_threads()`` is 1 inside the callback when the rank set 1), so it takes
-    no more than one core's share from compute.
+    On CPU tensors, gloo's own collectives do not reach the wire limit: its reduce-scatter is a
+    full all-reduce that keeps a slice (DDP's bytes for half the result), its all-gather costs
+    ~1.5x the limit on a shaped link and ``all_to_all_single`` 2x (its two directions do not
+    overlap there), while ``isend``/``irecv`` pairs posted together run both directions at once
+    and sit at the limit (/work/shared/MACHINE_NOTES.md, gloo table). So on gloo with CPU tensors
+    both collectives run over point-to-point, every message posted at once (the pairwise
+    exchange: at step k a rank sends to rank + k and receives from rank - k, for every k at
+    the same time):
 
-    The receive buffer is allocated per call on purpose. Persistent per-bucket buffers saved
-    2-5% of the reduce-scatter time, under 1% of a training step (measured on 2 CPU cores, see
-    benchmarks/results/2026-12-03-cpu-2core.md), for a permanent extra copy of every grad
-    bucket: +4 bytes per fp32 param on every rank, against ZeRO-1's 12/N for the optimizer
-    state. A per-call buffer lives only while its bucket is in flight.
+    * reduce-scatter: rank r sends its slice p of the bucket to every peer p and receives slice
+      r of every peer into a per-call buffer of the bucket's shape (its own slice copied in),
+      then sums the N slices in rank order (``torch.sum`` over the stacked slices, as before, so
+      results are bitwise unchanged and the same in sync and overlap mode) and divides by N.
+    * all-gather: rank r sends its shard to every peer and receives every peer's shard straight
+      into its slot of the output (in place when the input is already a view of that slot).
+
+    Bytes per rank each way are (N-1)/N of the bucket for each, a true reduce-scatter's and
+    all-gather's, so a step moves DDP's bytes. A direct exchange and a ring move the same bytes
+    per rank; the direct one was kept because it posts everything at once, so no step waits on
+    the previous one and the sum stays in rank order (a ring would sum in ring order).
+
+    gloo's point-to-point handles have no future, so an asynchronous reduce-scatter waits for its
+    receives and sums on a helper thread started per call, which fulfils the returned future; as
+    before (the sum ran as a callback on gloo's thread) it overlaps compute and runs with the
+    rank's intra-op thread count (1 in the benchmarks), so it takes at most one core's share
+    from compute, and only while a bucket's slices are in and not yet summed. Several buckets
+    may be in flight on one group at once: point-to-point messages pair up by (peer, tag) in
+    the order they were posted, and every rank posts the same collectives in the same order.
+
+    Measured here (benchmarks/results/2026-12-03-gloo-p2p-cpu-2core.md; 2 ranks, the default
+    GPT's 13 buckets, 12.4 MiB, all in flight at once as in a step; interleaved medians on a
+    loaded machine): on a 200 Mbit/s link, where 261 ms is the wire limit of each, the
+    reduce-scatter took 307-323 ms against 312-355 ms for the all-to-all and the all-gather
+    279-302 against 288-332 ms for gloo's: 2-9%, not the 2x and 1.5x of a single bucket,
+    because with many buckets in flight gloo's collectives already overlap each other's
+    directions. On loopback the
+    all-gather is twice as fast (8.8 against 17.6 ms), the reduce-scatter was 20-30% slower in
+    two of three runs (23.2 against 19.1 ms): the helper thread and the copy of the own slice
+    against gloo's all-to-all, which sums on its own worker thread. Both together were faster in
+    every run, on the link and on loopback.
+
+    The receive buffer is allocated per call on purpose: persistent per-bucket buffers were
+    within the noise of per-call ones in every run (faster in three, slower in two), and they
+    would cost a permanent extra copy of every grad bucket, +4 bytes per fp32 param on every
+    rank (ZeRO-1's optimizer state is 12/N). A per-call buffer lives only while its bucket is in
+    flight.
+
+    gloo with accelerator tensors (two ranks on one GPU in benchmarks/gpu_check.py) keeps the
+    all-to-all plus local sum and gloo's all-gather: gloo's send and recv hand the tensor's data
+    pointer to its transport without staging through the host as its collectives do (not tried
+    on a GPU). NCCL uses its own collectives.
 
 torch 2.13 renamed ``reduce_scatter_tensor``/``all_gather_into_tensor`` to
 ``reduce_scatter_single``/``all_gather_single`` and warns on the old names; older releases only
@@ -25,6 +59,10 @@ have the old ones. These wrappers pick whichever exists so users see no warning 
 """
 
 from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +82,8 @@ def reduce_scatter_avg(
     With ``async_op``, returns a handle whose ``wait()`` makes ``output`` final.
     """
     if backend_for_device(group, input.device.type) == "gloo":
+        if input.device.type == "cpu":
+            return _reduce_scatter_by_p2p(output, input, group, async_op)
         return _reduce_scatter_by_all_to_all(output, input, group, async_op)
     return _reduce_scatter(output, input, op=ReduceOp.AVG, group=group, async_op=async_op)
 
@@ -66,8 +106,7 @@ def _reduce_scatter_by_all_to_all(
     received = torch.empty_like(input)  # slice r of every rank, in rank order
 
     def average(_: Future | None = None) -> None:
-        torch.sum(received.view(world_size, -1), dim=0, out=output)
-        output.div_(world_size)
+        sum_received(output, received, world_size)
         if received.device.type != "cpu":
             # A device future runs its callbacks on a stream of its choosing; without this the
             # block could be reused on the comm stream while the sum still reads it. See
@@ -87,10 +126,103 @@ def all_reduce_avg(tensor: Tensor, group: ProcessGroup, async_op: bool) -> Work 
     return dist.all_reduce(tensor, op=ReduceOp.AVG, group=group, async_op=async_op)
 
 
-def all_gather(output: Tensor, input: Tensor, group: ProcessGroup, async_op: bool) -> Work | None:
+def all_gather(output: Tensor, input: Tensor, group: ProcessGroup, async_op: bool) -> Work | P2PWorks | None:
     """Concatenate every rank's ``input`` into ``output``; ``input`` may be a view of ``output``
-    at this rank's slice (an in-place all-gather, as FSDP2 uses)."""
+    at this rank's slice (an in-place all-gather, as FSDP2 uses).
+
+    With ``async_op``, returns a handle whose ``wait()`` makes ``output`` final.
+    """
+    if input.device.type == "cpu" and backend_for_device(group, "cpu") == "gloo":
+        works = _all_gather_by_p2p(output, input, group)
+        if async_op:
+            return works
+        works.wait()
+        return None
     return _all_gather(output, input, group=group, async_op=async_op)
+
+
+class P2PWorks:
+    """The point-to-point messages of one collective; ``wait()`` returns once all completed
+    (what ``Work.wait()`` promises for a collective), raising the first error."""
+
+    def __init__(self, works: list[Work]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+
+def _exchange(sends: list[Tensor], receives: list[Tensor], group: ProcessGroup) -> P2PWorks:
+    """Post every message at once: ``sends[p]`` to group rank p and ``receives[p]`` from it, for
+    every peer p. See Note [Reduce-scatter on gloo]."""
+    rank, world_size = group.rank(), group.size()
+    works = []
+    for step in range(1, world_size):
+        to_peer, from_peer = (rank + step) % world_size, (rank - step) % world_size
+        works.append(dist.isend(sends[to_peer], dist.get_global_rank(group, to_peer), group=group))
+        works.append(dist.irecv(receives[from_peer], dist.get_global_rank(group, from_peer), group=group))
+    return P2PWorks(works)
+
+
+def _all_gather_by_p2p(output: Tensor, input: Tensor, group: ProcessGroup) -> P2PWorks:
+    """See Note [Reduce-scatter on gloo]."""
+    slots = list(output.view(group.size(), -1).unbind())
+    own = slots[group.rank()]
+    if input.data_ptr() != own.data_ptr():
+        own.copy_(input.reshape(-1))
+    return _exchange([own] * group.size(), slots, group)
+
+
+def _reduce_scatter_by_p2p(
+    output: Tensor, input: Tensor, group: ProcessGroup, async_op: bool
+) -> Future | None:
+    """See Note [Reduce-scatter on gloo]."""
+    received = torch.empty_like(input)  # slice r of every rank, in rank order
+    works = start_reduce_scatter_by_p2p(received, input, group)
+    average = functools.partial(sum_received, output, received, group.size())
+    if async_op:
+        return _in_background(works, average)
+    works.wait()
+    average()
+    return None
+
+
+def start_reduce_scatter_by_p2p(received: Tensor, input: Tensor, group: ProcessGroup) -> P2PWorks:
+    """Post the messages of a point-to-point reduce-scatter of ``input`` into ``received``
+    (``input``'s shape): once they complete, row r of ``received`` viewed as N rows is group
+    rank r's slice for this rank. Split from the allocation so a benchmark can pass a
+    persistent buffer."""
+    world_size, rank = group.size(), group.rank()
+    slices = list(input.view(world_size, -1).unbind())
+    rows = list(received.view(world_size, -1).unbind())
+    rows[rank].copy_(slices[rank])
+    return _exchange(slices, rows, group)
+
+
+def sum_received(output: Tensor, received: Tensor, world_size: int) -> None:
+    """Average the ``world_size`` slices of ``received`` into ``output``, summed in rank order."""
+    torch.sum(received.view(world_size, -1), dim=0, out=output)
+    output.div_(world_size)
+
+
+def _in_background(works: P2PWorks, then: Callable[[], None]) -> Future:
+    """A future fulfilled once ``works`` completed and ``then()`` ran on a helper thread (gloo's
+    point-to-point handles have no future to chain on); it carries their error if any."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            works.wait()
+            then()
+        except Exception as error:  # handed to whoever waits on the future
+            future.set_exception(error)
+            return
+        future.set_result(None)
+
+    threading.Thread(target=run, name="sharded_opt reduce-scatter", daemon=True).start()
+    return future
 
 
 def broadcast_coalesced(tensors: list[Tensor], group: ProcessGroup, src: int) -> None:

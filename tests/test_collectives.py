@@ -1,0 +1,196 @@
+"""The gloo collectives over point-to-point (Note [Reduce-scatter on gloo]): values equal to the
+reference average in rank order, several buckets in flight at once, uneven sizes, fp32 and bf16,
+on 3 ranks and on a 2-rank subgroup whose group ranks differ from the global ones. One spawn
+runs every check; each test reads its own result."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks.gloo_p2p import probe_rank
+from sharded_opt import collectives
+from tests.dist_helper import run_ranks
+
+SHARD_NUMELS = (5, 1, 37, 64)
+"""Per-rank slice sizes of the buckets: uneven, one of a single element."""
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _bucket(seed: int, group_rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * seed + group_rank)
+    return torch.randn(numel, generator=generator).to(dtype)
+
+
+def _reference_average(seed: int, group_rank: int, world_size: int, numel: int, dtype) -> torch.Tensor:
+    """Slice ``group_rank`` of every rank's bucket, summed in rank order in fp32 at least (as
+    ``torch.sum`` accumulates 16-bit values), then divided in ``dtype``."""
+    accumulate = torch.promote_types(dtype, torch.float32)
+    total = torch.zeros(numel // world_size, dtype=accumulate)
+    for rank in range(world_size):
+        total = total + _bucket(seed, rank, numel, dtype).view(world_size, -1)[group_rank].to(accumulate)
+    return total.to(dtype) / world_size
+
+
+def _cases(world_size: int) -> list[tuple[int, int, torch.dtype]]:
+    """(seed, bucket numel, dtype) per bucket, in the order every rank issues them."""
+    return [
+        (seed, shard * world_size, dtype)
+        for seed, (shard, dtype) in enumerate((s, d) for d in DTYPES for s in SHARD_NUMELS)
+    ]
+
+
+def _reduce_scatter_checks(group: dist.ProcessGroup) -> dict[str, bool]:
+    rank, world_size = group.rank(), group.size()
+    cases = _cases(world_size)
+    inputs = [_bucket(seed, rank, numel, dtype) for seed, numel, dtype in cases]
+    expected = [_reference_average(seed, rank, world_size, numel, dtype) for seed, numel, dtype in cases]
+    sync_out = [torch.empty(numel // world_size, dtype=dtype) for _, numel, dtype in cases]
+    for output, input in zip(sync_out, inputs, strict=True):
+        collectives.reduce_scatter_avg(output, input, group, async_op=False)
+    in_flight = [torch.empty_like(output) for output in sync_out]
+    handles = [
+        collectives.reduce_scatter_avg(output, input, group, async_op=True)
+        for output, input in zip(in_flight, inputs, strict=True)
+    ]
+    for handle in reversed(handles):
+        handle.wait()
+    by_all_to_all = [torch.empty_like(output) for output in sync_out]
+    for output, input in zip(by_all_to_all, inputs, strict=True):
+        collectives._reduce_scatter_by_all_to_all(output, input, group, async_op=False)
+    inputs_kept = all(
+        torch.equal(input, _bucket(seed, rank, numel, dtype))
+        for input, (seed, numel, dtype) in zip(inputs, cases, strict=True)
+    )
+    return {
+        "sync_equals_reference": all(map(torch.equal, sync_out, expected)),
+        "in_flight_equals_reference": all(map(torch.equal, in_flight, expected)),
+        "equals_all_to_all": all(map(torch.equal, sync_out, by_all_to_all)),
+        "inputs_kept": inputs_kept,
+    }
+
+
+def _all_gather_checks(group: dist.ProcessGroup) -> dict[str, bool]:
+    rank, world_size = group.rank(), group.size()
+    cases = _cases(world_size)
+    expected = [
+        torch.cat([_bucket(seed, r, numel, dtype)[: numel // world_size] for r in range(world_size)])
+        for seed, numel, dtype in cases
+    ]
+    out_of_place = [torch.full((numel,), float("nan"), dtype=dtype) for _, numel, dtype in cases]
+    in_place = [torch.full_like(output, float("nan")) for output in out_of_place]
+    handles = []
+    for (seed, numel, dtype), output, in_place_output in zip(cases, out_of_place, in_place, strict=True):
+        own = _bucket(seed, rank, numel, dtype)[: numel // world_size]
+        handles.append(collectives.all_gather(output, own.clone(), group, async_op=True))
+        slot = in_place_output.view(world_size, -1)[rank]
+        slot.copy_(own)
+        handles.append(collectives.all_gather(in_place_output, slot, group, async_op=True))
+    for handle in reversed(handles):
+        handle.wait()
+    sync_out = [torch.empty_like(output) for output in out_of_place]
+    for (seed, numel, dtype), output in zip(cases, sync_out, strict=True):
+        own = _bucket(seed, rank, numel, dtype)[: numel // world_size]
+        collectives.all_gather(output, own, group, async_op=False)
+    return {
+        "out_of_place_equals_reference": all(map(torch.equal, out_of_place, expected)),
+        "in_place_equals_reference": all(map(torch.equal, in_place, expected)),
+        "sync_equals_reference": all(map(torch.equal, sync_out, expected)),
+    }
+
+
+def _without_gloo_collectives(group: dist.ProcessGroup) -> bool:
+    """Both collectives still work when gloo's all-to-all and all-gather refuse to run."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a gloo collective ran where point-to-point was expected")
+
+    no_all_to_all = mock.patch.object(dist, "all_to_all_single", refuse)
+    with no_all_to_all, mock.patch.object(collectives, "_all_gather", refuse):
+        world_size = group.size()
+        output = torch.empty(2)
+        collectives.reduce_scatter_avg(output, torch.ones(2 * world_size), group, async_op=False)
+        gathered = torch.empty(world_size)
+        collectives.all_gather(gathered, torch.ones(1), group, async_op=True).wait()
+    return torch.equal(output, torch.ones(2)) and torch.equal(gathered, torch.ones(world_size))
+
+
+CHECKS: dict[str, Callable[[dist.ProcessGroup], object]] = {
+    "reduce_scatter": _reduce_scatter_checks,
+    "all_gather": _all_gather_checks,
+    "point_to_point_only": _without_gloo_collectives,
+}
+
+
+def _all_checks() -> dict[str, dict[str, object]]:
+    """Every check on the 3-rank world and on the subgroup of global ranks 1 and 2, then one
+    round of the benchmark probe (a smoke run: its timings are never asserted)."""
+    subgroup = dist.new_group([1, 2])
+    results: dict[str, dict[str, object]] = {}
+    for label, group in (("3 ranks", dist.group.WORLD), ("2 ranks", subgroup)):
+        if dist.get_rank() in dist.get_process_group_ranks(group):
+            results[label] = {name: check(group) for name, check in CHECKS.items()}
+    results["probe"] = probe_rank("tiny", rounds=1, link=None)
+    return results
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, dict[str, object]]]:
+    return run_ranks(_all_checks, 3)
+
+
+def _per_rank(results, label: str, check: str) -> list[object]:
+    return [rank_results[label][check] for rank_results in results if label in rank_results]
+
+
+@pytest.mark.parametrize("label", ["3 ranks", "2 ranks"])
+def test_reduce_scatter_is_the_average_in_rank_order_also_with_buckets_in_flight(results, label) -> None:
+    for outcome in _per_rank(results, label, "reduce_scatter"):
+        assert outcome == {
+            "sync_equals_reference": True,
+            "in_flight_equals_reference": True,
+            "equals_all_to_all": True,
+            "inputs_kept": True,
+        }
+
+
+@pytest.mark.parametrize("label", ["3 ranks", "2 ranks"])
+def test_all_gather_in_and_out_of_place_also_with_buckets_in_flight(results, label) -> None:
+    for outcome in _per_rank(results, label, "all_gather"):
+        assert outcome == {
+            "out_of_place_equals_reference": True,
+            "in_place_equals_reference": True,
+            "sync_equals_reference": True,
+        }
+
+
+@pytest.mark.parametrize("label", ["3 ranks", "2 ranks"])
+def test_gloo_cpu_collectives_run_over_point_to_point(results, label) -> None:
+    assert _per_rank(results, label, "point_to_point_only") == [True] * (3 if label == "3 ranks" else 2)
+
+
+def test_the_benchmark_probe_times_every_variant(results) -> None:
+    probe = results[0]["probe"]
+    assert {name for name in probe if name.startswith(("RS ", "AG "))} == {
+        "RS all-to-all + sum (before)",
+        "RS p2p, per-call buffer",
+        "RS p2p, persistent buffers",
+        "AG gloo all_gather (before)",
+        "AG p2p",
+    }
+    assert all(seconds > 0 for name, seconds in probe.items() if name.startswith(("RS ", "AG ")))
+
+
+def test_an_error_of_a_background_reduce_scatter_surfaces_at_wait() -> None:
+    class FailingWorks:
+        def wait(self) -> bool:
+            raise RuntimeError("peer went away")
+
+    future = collectives._in_background(FailingWorks(), lambda: None)
+    with pytest.raises(RuntimeError, match="peer went away"):
+        future.wait()
