@@ -171,7 +171,6 @@ class ShardingStage1(torch.optim.Optimizer):
         # See Note [Step pipeline]: torch's own classes keep all state per param, so stepping
         # them bucket by bucket is exact; another class may keep state per step() call.
         self._step_per_bucket = world_size > 1 and type(optimizer) in ELEMENTWISE_OPTIMIZERS
-        self._gather_each_after_step = False
         self._param_waiter: ParamReadyWaiter | None = None
         self._grads_reduced = False
         self._num_params_per_group = [len(g["params"]) for g in optimizer.param_groups]
@@ -701,16 +700,12 @@ class ShardingStage1(torch.optim.Optimizer):
         if not self._step_per_bucket:
             self._finish_grads(order)
             stepped = self._step_buckets(order, kwargs)
-            self._comm.start_param_sync(b for b in self._gather_order if b in stepped)
-            return
-        stepped: list[int] = []
-        for bucket_index in order:
-            self._finish_grads([bucket_index])
-            stepped += self._step_buckets([bucket_index], kwargs)
-            if self._gather_each_after_step and stepped and stepped[-1] == bucket_index:
-                self._comm.start_param_sync([bucket_index])
-        if not self._gather_each_after_step:
-            self._comm.start_param_sync(b for b in self._gather_order if b in stepped)
+        else:
+            stepped = []
+            for bucket_index in order:
+                self._finish_grads([bucket_index])
+                stepped += self._step_buckets([bucket_index], kwargs)
+        self._comm.start_param_sync(b for b in self._gather_order if b in stepped)
 
     def _finish_grads(self, bucket_indices: list[int]) -> None:
         if self._grads_reduced:
