@@ -284,12 +284,3 @@ class GradReadyTracker:
             if self._buffers.adopt_grad(index):  # None (no grad) or an assigned tensor (a grad)
                 self.received[index] = had_grad
                 self._grad_versions[bucket_index] = self._buffers.grad_buffers[bucket_index]._version
-
-    def grad_presence(self) -> bytearray:
-        """Per param, 1 if it holds a grad now (see Note [Which params got a grad])."""
-        params = self._buffers.params
-        presence = bytearray(self.received)
-        for index, flag in enumerate(presence):
-            if flag and params[index].grad is None:
-                presence[index] = 0
-        return presence

@@ -649,7 +649,7 @@ class ShardingStage1(torch.optim.Optimizer):
             self._grad_tracker.accept_grad_writes()
 
     def _check_grads_not_dropped(self) -> None:
-        """In overlap mode which params have grads is shared when the last bucket is launched;
+        """In overlap mode which params have grads is shared when their bucket is launched;
         grads set to None after that (``model.zero_grad()`` between backward and ``step()``)
         would be stepped anyway, so that is refused."""
         if not self.overlap:
