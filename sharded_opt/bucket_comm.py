@@ -160,16 +160,24 @@ class BucketCommunicator:
                 work = collectives.all_reduce_avg(reduced.data, self.group, async_op=True)
         self._grad_works[bucket_index] = work
 
-    def finish_grad_sync(self) -> None:
-        """Make compute wait for every grad reduction issued so far; the optimizer's grads are
-        then final."""
-        works, self._grad_works = self._grad_works, [None] * len(self._grad_works)
-        wait_comm(works)
-        # Compute waited for every reduction, and comm-stream work starts behind compute.
-        self._staging.forget_readers()
-        for shard in self.shards:
+    def finish_grad_sync(self, bucket_indices: Iterable[int] | None = None) -> None:
+        """Make compute wait for the grad reductions of ``bucket_indices`` (default: every
+        bucket); the optimizer's grads of those buckets are then final.
+
+        ``step()`` finishes one bucket at a time to step each shard as soon as its reduction
+        lands (Note [Step pipeline] in ``optimizer``). Finish a bucket once per reduction: a
+        second call copies the reduced grads into the stepped ones again, undoing a clip.
+        """
+        indices = range(len(self._grad_works)) if bucket_indices is None else bucket_indices
+        for index in indices:
+            work, self._grad_works[index] = self._grad_works[index], None
+            wait_comm([work])
+            shard = self.shards[index]
             if shard is not None:
                 shard.copy_reduced_to_stepped_grad()
+        if all(work is None for work in self._grad_works):
+            # Compute waited for every reduction, and comm-stream work starts behind compute.
+            self._staging.forget_readers()
 
     def launched_grad_buckets(self) -> list[int]:
         """Buckets whose grad reduction is issued and not yet finished."""

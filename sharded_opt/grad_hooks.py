@@ -57,8 +57,7 @@ Note [Hook cost]
     The overlap-only counting is one more call, and its launch check runs only when the
     hook completes a bucket. Per backward, the scan of ``requires_grad`` (Note [Which params
     got a grad]) is one C-level pass compared against the last one, and the full re-scan runs
-    only when a flag changed; which params hold a grad at the end of backward is likewise
-    read in one C-level pass.
+    only when a flag changed.
 
 Note [End of backward under reentrant checkpointing]
     ``queue_callback`` queues on the backward that is running when it is called. With
@@ -79,7 +78,6 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable
-from itertools import repeat
 
 import torch
 from torch import Tensor
@@ -89,7 +87,6 @@ from fusion.buffers import FlatBuffers
 from sharded_opt.weak_hooks import InertHook, WeakMethodHook, remove_handles
 
 _requires_grad = operator.attrgetter("requires_grad")
-_grad = operator.attrgetter("grad")
 
 
 class GradReadyTracker:
@@ -302,13 +299,6 @@ class GradReadyTracker:
                 self.received[index] = had_grad
                 self._grad_versions[bucket_index] = self._buffers.grad_buffers[bucket_index]._version
 
-    def grad_presence(self) -> bytearray:
-        """Per param, 1 if it holds a grad now (see Note [Which params got a grad])."""
-        num_params = len(self.received)
-        # Both are 0/1 per byte, so one integer AND is the per-param AND (see Note [Hook cost]).
-        holds_grad = bytes(map(operator.is_not, map(_grad, self._buffers.params), repeat(None)))
-        presence = int.from_bytes(self.received, "little") & int.from_bytes(holds_grad, "little")
-        return bytearray(presence.to_bytes(num_params, "little"))
 
 
 class _AccumulateGradHook:

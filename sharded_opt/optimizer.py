@@ -1,4 +1,34 @@
-"""``ShardingStage1``: ZeRO stage 1 around an existing ``torch.optim`` optimizer."""
+"""``ShardingStage1``: ZeRO stage 1 around an existing ``torch.optim`` optimizer.
+
+Note [Step pipeline]
+    Buckets' reductions land in bucket order (bucket 0 holds the last layers, whose grads
+    backward produces first; gloo completes a group's collectives in issue order). ``step()``
+    therefore takes the buckets in that order: it waits for bucket 0's reduction alone, steps
+    bucket 0's shard, then waits for bucket 1, and so on, so the optimizer works while later
+    reductions are still on the wire, instead of waiting for all of them first (Megatron's
+    ``overlap_param_gather_with_optimizer_step`` idea). Each bucket's presence flags travel
+    just before its reduction (Note [Presence per bucket] in ``grad_presence``), so nothing
+    else has to land first.
+
+    A bucket's step is one call of the wrapped optimizer's ``step`` over that bucket's pieces
+    only (its param groups temporarily hold just them; pieces of params without a grad are left
+    out as before). torch's element-wise optimizers keep every piece of state per param
+    (``step`` included), so N calls over disjoint pieces compute bitwise what one call over all
+    of them does. A class that is not one of torch's own (``assume_elementwise=True``) may keep
+    state per call, so it is stepped once, over every bucket, after every reduction; so is any
+    optimizer on one rank, where there is nothing to wait for.
+
+    ``clip_grad_norm_`` and ``ShardedGradScaler`` need every shard's grads before any step (a
+    global norm, a global inf flag): they finish every reduction themselves, and the pipeline
+    then only steps.
+
+    All-gathers: each bucket's all-gather starts behind the last optimizer op of its own step
+    (``start_param_sync`` makes the comm stream wait for it). They are issued after the whole
+    step, in forward order (reverse bucket index), not one after each bucket's step: the
+    latter queues them in backward order, and gloo runs a group's collectives in issue order,
+    so the next forward's first module (last bucket) would wait for every all-gather; see
+    ``benchmarks/results/2026-12-03-pipeline-cpu-2core.md`` for both measured.
+"""
 
 from __future__ import annotations
 
@@ -25,12 +55,14 @@ from sharded_opt import state_dict as state_dict_conversion
 from sharded_opt.bucket_comm import BucketCommunicator
 from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.grad_hooks import GradReadyTracker
+from sharded_opt.grad_presence import GradPresence
 from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, hyperparameters
 from sharded_opt.local_shard import resolve_precision
 from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter
 from sharded_opt.strategy import Strategy
 from sharded_opt.streams import on_stream
 from sharded_opt.validation import (
+    ELEMENTWISE_OPTIMIZERS,
     check_optimizer,
     check_same_layout,
     collect_params,
@@ -130,12 +162,15 @@ class ShardingStage1(torch.optim.Optimizer):
         self._grad_tracker = GradReadyTracker(
             self._buffers,
             self._materialize,
-            self._comm.start_grad_sync if self.overlap else None,
-            self._start_presence_sync if self.overlap else None,
+            self._start_bucket_sync if self.overlap else None,
+            self._start_unlaunched_presence if self.overlap else None,
             self._comm.note_grad_stream if self.overlap and self._comm.stream is not None else None,
         )
-        self._presence: tuple[torch.Tensor, Any] | None = None
+        self._presence = GradPresence(self.plan.buckets, group, world_size, self._flag_device)
         self._local_presence = bytearray(len(params))
+        # See Note [Step pipeline]: torch's own classes keep all state per param, so stepping
+        # them bucket by bucket is exact; another class may keep state per step() call.
+        self._step_per_bucket = world_size > 1 and type(optimizer) in ELEMENTWISE_OPTIMIZERS
         self._param_waiter: ParamReadyWaiter | None = None
         self._grads_reduced = False
         self._num_params_per_group = [len(g["params"]) for g in optimizer.param_groups]
@@ -171,15 +206,17 @@ class ShardingStage1(torch.optim.Optimizer):
         self._check_param_groups_unchanged()
         found_inf, grad_scale = self._amp_scaling_arguments()
         self.sync_params()
-        self._reduce_grads()
+        if found_inf is None:
+            self._launch_grad_sync()
+        else:
+            self._reduce_grads()  # the scaler reduced them already, to check the averaged grads
         if found_inf is not None and float(found_inf) > 0:
             self._start_iteration()  # the scaler saw an inf on some rank: every rank skips
             return loss
         if grad_scale is not None:
             inverse = grad_scale.double().reciprocal().float()
             torch._foreach_mul_(self._comm.local_grads(), inverse)
-        stepped = self._step_inner(kwargs)
-        self._comm.start_param_sync(b for b in self._gather_order if b in stepped)
+        self._step_pipeline(kwargs)
         if self._param_waiter is None or self._param_waiter.forward_compiled:
             self._comm.finish_param_sync()
         else:
@@ -560,8 +597,7 @@ class ShardingStage1(torch.optim.Optimizer):
     def _start_iteration(self) -> None:
         self._grads_reduced = False
         self._grad_tracker.reset()
-        if self._presence is not None:  # shared but not used: the step was skipped
-            self._agreed_presence()
+        self._presence.discard()  # flags shared but not used when the step was skipped
 
     def _materialize(self, bucket_index: int) -> None:
         shard = self._comm.materialize(bucket_index)
@@ -581,12 +617,13 @@ class ShardingStage1(torch.optim.Optimizer):
                 "and scale the loss instead of the grads. Call opt.zero_grad() to discard these grads"
             )
 
-    def _reduce_grads(self) -> None:
+    def _launch_grad_sync(self) -> None:
+        """Check the grads and issue every bucket's reduction not issued yet (in overlap mode
+        backward issued most of them), each after its bucket's presence flags."""
+        self._check_grads_not_written()
         if self._grads_reduced:
-            self._check_grads_not_written()
             return
         self._check_backward_finished()
-        self._check_grads_not_written()
         if self.overlap:
             if self._grad_tracker.accumulate_only:
                 raise RuntimeError(
@@ -599,15 +636,20 @@ class ShardingStage1(torch.optim.Optimizer):
             self._grad_tracker.adopt_all()
             for bucket in self.plan.buckets:
                 if self._grad_tracker.takes_part(bucket.index):
-                    self._comm.start_grad_sync(bucket.index)
-            self._start_presence_sync()
-        self._comm.finish_grad_sync()
-        self._grad_tracker.accept_grad_writes()
+                    self._start_bucket_sync(bucket.index)
+            self._start_unlaunched_presence()
         self._check_grads_not_dropped()
-        self._grads_reduced = True
+
+    def _reduce_grads(self) -> None:
+        """Reduce every bucket's grads now (clipping and the scaler need all of them)."""
+        self._launch_grad_sync()
+        if not self._grads_reduced:
+            self._comm.finish_grad_sync()
+            self._grads_reduced = True
+            self._grad_tracker.accept_grad_writes()
 
     def _check_grads_not_dropped(self) -> None:
-        """In overlap mode which params have grads is shared when the last bucket is launched;
+        """In overlap mode which params have grads is shared when their bucket is launched;
         grads set to None after that (``model.zero_grad()`` between backward and ``step()``)
         would be stepped anyway, so that is refused."""
         if not self.overlap:
@@ -621,27 +663,26 @@ class ShardingStage1(torch.optim.Optimizer):
                 "backward (opt.zero_grad() or model.zero_grad()), not between backward and step()"
             )
 
-    def _start_presence_sync(self) -> None:
-        """Share which params got a grad on this rank (a byte each, MAX over the group), see
-        Note [Which params got a grad] in ``grad_hooks``."""
-        local = self._grad_tracker.grad_presence()
-        self._local_presence = local
-        flags = torch.frombuffer(local, dtype=torch.uint8).clone()
-        work = None
-        if self.world_size > 1:
-            flags = flags.to(self._flag_device)
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
-        self._presence = (flags, work)
+    def _start_bucket_sync(self, bucket_index: int) -> None:
+        """Share the bucket's presence flags, then issue its grad reduction; see Note [Presence
+        per bucket] in ``grad_presence``."""
+        self._share_presence([bucket_index])
+        self._comm.start_grad_sync(bucket_index)
 
-    def _agreed_presence(self) -> list[int]:
-        """Per param, 1 if it got a grad on some rank."""
-        if self._presence is None:
-            raise RuntimeError("ShardingStage1: the grad presence flags were never shared")
-        flags, work = self._presence
-        self._presence = None
-        if work is not None:
-            work.wait()
-        return flags.tolist()
+    def _start_unlaunched_presence(self) -> None:
+        """Share the presence flags of the buckets that took no part in this reduction."""
+        unshared = self._presence.unshared()
+        if unshared:
+            self._share_presence(unshared)
+
+    def _share_presence(self, bucket_indices: list[int]) -> None:
+        received = self._grad_tracker.received
+        params = self._buffers.params
+        for bucket_index in bucket_indices:
+            for slot in self.plan.buckets[bucket_index].slots:
+                index = slot.param_index
+                self._local_presence[index] = received[index] and params[index].grad is not None
+        self._presence.start(bucket_indices, self._local_presence)
 
     @functools.cached_property
     def _flag_device(self) -> torch.device:
@@ -651,28 +692,63 @@ class ShardingStage1(torch.optim.Optimizer):
             return torch.device("cpu")
         return self.plan.buckets[0].device
 
-    def _step_inner(self, kwargs: dict[str, Any]) -> set[int]:
-        """Step the pieces of params that got a grad on some rank; return the buckets changed."""
-        presence = self._agreed_presence()
-        stepped: set[int] = set()
-        skipped: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for shard in self._comm.live_shards():
-            if any(presence[slot.param_index] for slot in shard.bucket.slots):
-                stepped.add(shard.bucket.index)
-                shard.refresh_master()
-            for inner, grad, owner in zip(
-                shard.inner_params, shard.inner_grads, shard.inner_owners, strict=True
-            ):
-                if not presence[owner]:
-                    inner.grad = None
-                    skipped.append((inner, grad))
+    def _step_pipeline(self, kwargs: dict[str, Any]) -> None:
+        """Step every bucket's shard and start the all-gathers of those that changed; see Note
+        [Step pipeline]."""
         self._sync_hyperparameters()
+        order = [shard.bucket.index for shard in self._comm.live_shards()]  # the landing order
+        if not self._step_per_bucket:
+            self._finish_grads(order)
+            stepped = self._step_buckets(order, kwargs)
+        else:
+            stepped = []
+            for bucket_index in order:
+                self._finish_grads([bucket_index])
+                stepped += self._step_buckets([bucket_index], kwargs)
+        self._comm.start_param_sync(b for b in self._gather_order if b in stepped)
+
+    def _finish_grads(self, bucket_indices: list[int]) -> None:
+        if self._grads_reduced:
+            return  # clip_grad_norm_ or the scaler finished (and maybe clipped) them already
+        self._comm.finish_grad_sync(bucket_indices)
+
+    def _step_buckets(self, bucket_indices: list[int], kwargs: dict[str, Any]) -> list[int]:
+        """One inner step over the pieces of ``bucket_indices`` whose params got a grad on some
+        rank; returns the buckets it changed. Pieces of other params (and other buckets) are
+        left out of the step, so, as in torch, they and their state stay untouched."""
+        groups: list[list[torch.Tensor]] = [[] for _ in self._inner.param_groups]
+        stepped = []
+        for bucket_index in bucket_indices:
+            shard = self._comm.shards[bucket_index]
+            present = self._presence.agreed(bucket_index)
+            if shard is None or not any(present):
+                continue
+            stepped.append(bucket_index)
+            shard.refresh_master()
+            group = groups[shard.bucket.group_index]
+            if all(present):
+                group += shard.inner_params
+            else:
+                slots = shard.bucket.slots
+                owners = {slot.param_index for slot, flag in zip(slots, present, strict=True) if flag}
+                pieces = zip(shard.inner_params, shard.inner_owners, strict=True)
+                group += [piece for piece, owner in pieces if owner in owners]
+        if any(groups) or not self._step_per_bucket:
+            self._inner_step(groups, kwargs)
+        return stepped
+
+    def _inner_step(self, params_per_group: list[list[torch.Tensor]], kwargs: dict[str, Any]) -> None:
+        """The wrapped class's ``step`` over ``params_per_group`` only, the groups' full lists
+        restored afterwards."""
+        inner_groups = self._inner.param_groups
+        full = [group["params"] for group in inner_groups]
         try:
+            for group, params in zip(inner_groups, params_per_group, strict=True):
+                group["params"] = params
             self._inner.step(**kwargs)
         finally:
-            for inner, grad in skipped:
-                inner.grad = grad
-        return stepped
+            for group, params in zip(inner_groups, full, strict=True):
+                group["params"] = params
 
     def _sync_hyperparameters(self) -> None:
         for outer, inner in zip(self.param_groups, self._inner.param_groups, strict=True):

@@ -1,0 +1,107 @@
+"""Agreeing, bucket by bucket, which params got a grad on some rank.
+
+Note [Presence per bucket]
+    ``torch.optim`` skips a param whose grad is None, so before a bucket's shard is stepped
+    every rank must agree which of its params got a grad on *some* rank (Note [Which params got
+    a grad] in ``grad_hooks``): one byte per param, combined by a MAX all-reduce. That agreement
+    used to be one all-reduce over every param, issued after the last bucket was launched. Gloo
+    runs a group's collectives in issue order, so it completed only after every reduce-scatter,
+    and no shard could be stepped before all of them had landed.
+
+    A bucket's flags are final when the bucket is launched (a later grad for it raises in
+    overlap mode; sync mode launches at ``step()``), so each bucket's flags are all-reduced right
+    before its own reduce-scatter, on the same group: they land just before its grads, and the
+    step can take the bucket as soon as its reduce-scatter completes (Note [Step pipeline] in
+    ``optimizer``). Buckets that take no part in the reduction (every param frozen now, though a
+    param may still hold an old grad that torch would step) share theirs in one all-reduce after
+    the last launch. The cost is one small collective per bucket instead of one per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup, Work
+
+from fusion.layout import BucketPlan
+
+
+@dataclass(eq=False, slots=True)
+class _SharedFlags:
+    """One all-reduce of the flags of one or more buckets' params, in slot order."""
+
+    flags: Tensor
+    work: Work | None
+    agreed: list[int] | None = None
+
+    def values(self) -> list[int]:
+        if self.agreed is None:
+            if self.work is not None:
+                self.work.wait()
+            self.agreed = self.flags.tolist()
+        return self.agreed
+
+
+class GradPresence:
+    """Per bucket, the agreed "got a grad" flag of each of its params; see Note [Presence per
+    bucket].
+
+    Args:
+        buckets: the layout's buckets.
+        group: the group to agree over; ``world_size == 1`` agrees with nobody.
+        device: where the flags are reduced (CPU on gloo, so reading them needs no device sync).
+    """
+
+    def __init__(
+        self, buckets: Sequence[BucketPlan], group: ProcessGroup, world_size: int, device: torch.device
+    ) -> None:
+        self._buckets = buckets
+        self._group = group
+        self._world_size = world_size
+        self._device = device
+        self._pending: dict[int, tuple[_SharedFlags, int]] = {}
+        """Per bucket whose flags were shared this iteration: the all-reduce and its offset."""
+
+    def start(self, bucket_indices: Sequence[int], local: bytearray) -> None:
+        """Share the flags of ``bucket_indices``' params (``local`` holds one byte per param)
+        in one asynchronous all-reduce; every rank must pass the same buckets in the same order."""
+        indices = [slot.param_index for b in bucket_indices for slot in self._buckets[b].slots]
+        flags = torch.tensor([local[i] for i in indices], dtype=torch.uint8)
+        work = None
+        if self._world_size > 1:
+            flags = flags.to(self._device)
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        shared = _SharedFlags(flags, work)
+        offset = 0
+        for bucket_index in bucket_indices:
+            self._pending[bucket_index] = (shared, offset)
+            offset += len(self._buckets[bucket_index].slots)
+
+    def unshared(self) -> list[int]:
+        """Buckets whose flags were not shared this iteration, in bucket order."""
+        return [bucket.index for bucket in self._buckets if bucket.index not in self._pending]
+
+    def agreed(self, bucket_index: int) -> list[int]:
+        """Per slot of the bucket (layout order), 1 if its param got a grad on some rank; waits
+        for the bucket's all-reduce.
+
+        Raises:
+            RuntimeError: the bucket's flags were not shared this iteration.
+        """
+        entry = self._pending.get(bucket_index)
+        if entry is None:
+            raise RuntimeError(
+                f"ShardingStage1: the grad presence flags of bucket {bucket_index} were never shared"
+            )
+        shared, offset = entry
+        return shared.values()[offset : offset + len(self._buckets[bucket_index].slots)]
+
+    def discard(self) -> None:
+        """Wait for every flag all-reduce still running and forget them (a new iteration)."""
+        for shared, _ in self._pending.values():
+            shared.values()
+        self._pending = {}
