@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from fusion.bucket_sizing import trainable_bytes
@@ -25,6 +26,7 @@ from sharded_opt import state_dict as state_dict_conversion
 from sharded_opt.bucket_comm import BucketCommunicator
 from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.grad_hooks import GradReadyTracker
+from sharded_opt.hybrid_groups import resolve_shard_groups
 from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, hyperparameters
 from sharded_opt.local_shard import resolve_precision
 from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter
@@ -34,7 +36,6 @@ from sharded_opt.validation import (
     check_optimizer,
     check_same_layout,
     collect_params,
-    resolve_process_group,
 )
 from sharded_opt.weak_hooks import remove_handles
 
@@ -89,12 +90,14 @@ class ShardingStage1(torch.optim.Optimizer):
         process_group: ProcessGroup | None = None,
         model: nn.Module | None = None,
         assume_elementwise: bool = False,
+        device_mesh: DeviceMesh | None = None,
     ) -> None:
         config = _resolve_config(strategy, overlap)
         check_optimizer(optimizer, assume_elementwise)
         _check_not_stepped(optimizer)
         params, specs = collect_params(optimizer)
-        group, rank, world_size = resolve_process_group(process_group)
+        groups = resolve_shard_groups(process_group, config.degree, device_mesh, config.enable)
+        group, rank, world_size = groups.world, dist.get_rank(groups.world), dist.get_world_size(groups.world)
         check_same_layout(specs, group, world_size)
 
         self.overlap = config.enable_overlap
@@ -103,10 +106,12 @@ class ShardingStage1(torch.optim.Optimizer):
         self.process_group = group
         self.rank = rank
         self.world_size = world_size
+        self.shard_groups = groups
+        sharded = config.enable and groups.shard_size > 1
         bucket_sizes = config.bucket_sizes(trainable_bytes(specs))
         self.plan: LayoutPlan = plan_layout(
             specs,
-            world_size if config.enable else 1,
+            groups.shard_size if sharded else 1,
             align_bytes=config.align_bytes,
             bucket_size_bytes=bucket_sizes.bucket_bytes,
             first_bucket_bytes=bucket_sizes.first_bucket_bytes,
@@ -117,7 +122,18 @@ class ShardingStage1(torch.optim.Optimizer):
             resolve_precision(bucket.dtype, config.reduce_dtype, config.master_dtype)
             for bucket in self.plan.buckets
         ]
-        self._comm = BucketCommunicator(self._buffers, group, rank, world_size, config.enable, precisions)
+        if sharded:
+            self._comm = BucketCommunicator(
+                self._buffers,
+                groups.shard,
+                groups.shard_rank,
+                groups.shard_size,
+                True,
+                precisions,
+                replicate_group=groups.replicate,
+            )
+        else:
+            self._comm = BucketCommunicator(self._buffers, group, rank, world_size, False, precisions)
         if optimizer.state:
             # The class creates state at construction (Adagrad): it exists for every param, frozen
             # or not, so every bucket needs its pieces now, as the plain optimizer has them.
@@ -234,7 +250,8 @@ class ShardingStage1(torch.optim.Optimizer):
             ).sum()
             op = dist.ReduceOp.SUM
         if self._comm.sharded:
-            dist.all_reduce(local, op=op, group=self.process_group)
+            # Replicas hold equal shards after the replicate all-reduce: each element counts once.
+            dist.all_reduce(local, op=op, group=self._comm.group)
         total = local if norm_type == math.inf else local ** (1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
