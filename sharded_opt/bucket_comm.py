@@ -282,7 +282,9 @@ class ReplicaChain:
     def __init__(self) -> None:
         self._last_issued: Future | None = None
 
-    def all_reduce_after(self, reduce_scatter: Work | Future | None, shard: Tensor, group: ProcessGroup):
+    def all_reduce_after(
+        self, reduce_scatter: Work | Future | None, shard: Tensor, group: ProcessGroup
+    ) -> Work | _IssuedWork | None:
         """Average ``shard`` over ``group`` once ``reduce_scatter`` (which writes it) is done;
         returns a handle whose ``wait()`` makes ``shard`` final."""
         if shard.device.type != "cpu":

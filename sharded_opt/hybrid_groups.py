@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from sharded_opt.validation import new_communicator, resolve_process_group
 
@@ -57,7 +58,7 @@ class ShardGroups:
 
 
 def resolve_shard_groups(
-    process_group: ProcessGroup | None, degree: int | None, device_mesh: object | None, sharded: bool
+    process_group: ProcessGroup | None, degree: int | None, device_mesh: DeviceMesh | None, sharded: bool
 ) -> ShardGroups:
     """The wrapper's groups from its arguments (collective); ``sharded=False`` (plain data
     parallel) uses no subgroups.
@@ -146,8 +147,6 @@ def grid_of_mesh(mesh: object) -> list[list[int]]:
         TypeError: ``mesh`` is not a ``DeviceMesh``.
         ValueError: ``mesh`` is not 2-D, or this rank is not in it.
     """
-    from torch.distributed.device_mesh import DeviceMesh
-
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             "ShardingStage1 expects device_mesh to be a torch.distributed.device_mesh.DeviceMesh "

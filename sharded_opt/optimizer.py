@@ -67,11 +67,20 @@ class ShardingStage1(torch.optim.Optimizer):
             their own params only, see :meth:`attach`.
         assume_elementwise: accept an optimizer class not known to be element-wise, on the
             caller's word that each element's update depends only on its own grad and state.
+        device_mesh: hybrid sharding given as FSDP2's HSDP takes it: a 2-D ``DeviceMesh`` whose
+            dims are (replicate, shard). Each mesh row is a shard group, each column holds
+            replicas of one shard; the same as ``ShardingConfig(degree=k)`` for a mesh of rows of
+            ``k`` consecutive ranks. Memory per rank is then S/k, and only an all-reduce of each
+            rank's 1/k shard crosses between rows; see Note [Hybrid sharding] in
+            ``sharded_opt/hybrid_groups.py``. Not together with ``process_group`` or ``degree``.
 
     Raises:
-        TypeError: ``optimizer`` is not a supported ``torch.optim.Optimizer``; bad argument types.
+        TypeError: ``optimizer`` is not a supported ``torch.optim.Optimizer``; bad argument types
+            (``device_mesh`` that is not a ``DeviceMesh``).
         ValueError: no trainable params, duplicate or sparse params, params on several devices,
-            ranks with different params, an optimizer that already stepped or is already wrapped.
+            ranks with different params, an optimizer that already stepped or is already wrapped;
+            a ``degree`` that does not divide the world size, a ``device_mesh`` that is not 2-D or
+            comes with ``process_group`` or ``degree``.
         RuntimeError: no initialized process group.
 
     Grads: ``param.grad`` stays a view of the flat grad buffer and holds this rank's local

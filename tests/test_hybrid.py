@@ -41,6 +41,8 @@ from tests.test_state_dict import STEPS_AFTER, STEPS_BEFORE, _sharded_steps
 from tests.training import (
     GLOBAL_BATCH,
     RunConfig,
+    batch,
+    local_slice,
     make_model,
     make_optimizer,
     train_many,
@@ -318,12 +320,53 @@ def test_six_ranks_as_3x2_match_plain_torch_and_sync_equals_overlap() -> None:
     reference's, so states agree to rounding (params to the fp32 tolerance), not bitwise; sync
     and overlap still do bitwise."""
     program = dataclasses.replace(UNUSED_AND_ACCUMULATED, degree=2, steps=UNUSED_AND_ACCUMULATED.steps[:3])
-    per_rank = run_ranks(run_programs, 6, [program])
-    for rank, (sync, overlap) in enumerate(per_rank):
+    per_rank = run_ranks(_six_rank_job, 6, program)
+    subgroup = [result["subgroup"] for result in per_rank]
+    assert subgroup[4:] == [None, None]
+    reference = train_reference(SUBGROUP_CONFIG)["params"]
+    for params in subgroup[:4]:
+        for got, want in zip(params, reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    for rank, (sync, overlap) in enumerate(result["programs"] for result in per_rank):
         for result in (sync, overlap):
             _assert_params_close(result["sharded"], result["plain"], FP32_TOLERANCE, f"rank {rank}")
             for index, entry in result["plain_state"]["state"].items():
                 for key, value in entry.items():
                     torch.testing.assert_close(result["sharded_state"]["state"][index][key], value)
-        for a, b, c in zip(sync["sharded"], overlap["sharded"], per_rank[0][0]["sharded"], strict=True):
+        first = per_rank[0]["programs"][0]["sharded"]
+        for a, b, c in zip(sync["sharded"], overlap["sharded"], first, strict=True):
             assert torch.equal(a, b) and torch.equal(a, c), f"rank {rank}"
+
+
+SUBGROUP_CONFIG = RunConfig(optimizer="sgd", steps=3, degree=DEGREE, overlap=True)
+SUBGROUP_RANKS = [0, 1, 2, 3]
+
+
+def _six_rank_job(program: Program) -> dict:
+    return {"programs": run_programs([program]), "subgroup": _train_on_subgroup()}
+
+
+def _train_on_subgroup() -> list[torch.Tensor] | None:
+    """2 x 2 hybrid over ranks 0-3 of a 6-rank world: its groups are created by their members
+    only (ranks 4 and 5 take no part)."""
+    subgroup = dist.new_group(SUBGROUP_RANKS)
+    if dist.get_rank() not in SUBGROUP_RANKS:
+        return None
+    model = make_model()
+    strategy = Strategy(sharding=ShardingConfig(degree=DEGREE, bucket_size_mb=SUBGROUP_CONFIG.bucket_size_mb))
+    optimizer = ShardingStage1(
+        make_optimizer(SUBGROUP_CONFIG.optimizer, model),
+        overlap=True,
+        strategy=strategy,
+        process_group=subgroup,
+        model=model,
+    )
+    rank, world_size = dist.get_rank(subgroup), len(SUBGROUP_RANKS)
+    for step in range(SUBGROUP_CONFIG.steps):
+        inputs, targets = batch(step)
+        optimizer.zero_grad()
+        prediction = model(local_slice(inputs, rank, world_size))
+        torch.nn.functional.mse_loss(prediction, local_slice(targets, rank, world_size)).backward()
+        optimizer.step()
+    optimizer.sync_params()
+    return [p.detach().clone() for p in model.parameters()]
