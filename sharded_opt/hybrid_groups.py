@@ -13,7 +13,10 @@ Note [Hybrid sharding]
     2-D ``DeviceMesh`` of dims (replicate, shard), as FSDP2's HSDP takes it, rows are the mesh's
     rows. Every subgroup is created once, when the wrapper is built, by every rank of the world
     in the same order (rows first, then columns), as ``torch.distributed.new_group`` requires;
-    like the wrapper's own communicator (Note [One communicator per wrapper] in ``validation``)
+    when the grid covers only part of the world (a ``process_group`` or mesh over some ranks),
+    each rank creates only its own row and column, by their members alone (each member then
+    belongs to equally many groups, which torch's naming of such groups needs). Like the
+    wrapper's own communicator (Note [One communicator per wrapper] in ``validation``)
     they are groups of the wrapper's own, so its collectives never pair with anyone else's.
 
     ``k == world`` is full sharding (one row, no replicate group) and ``k == 1`` is plain data
