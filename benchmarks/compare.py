@@ -10,6 +10,11 @@ Chrome trace of one overlap step per run into ``--out``; ``--profile`` adds one 
 
 ``--preset comm-bound`` emulates a 200 Mbit/s link between the 2 ranks (root needed), where
 communication alone takes several times the compute: the case overlap exists for.
+
+``--degree K`` adds the ``hybrid`` mode (shard within groups of K ranks, replicate across them).
+With ``--emulate-link`` on ``--world-sizes 2K`` there are two emulated nodes of K ranks each
+(fast loopback inside a node, the shaped link between them), and the bytes that cross the link
+per step are measured for every mode from the link's own counters.
 """
 
 from __future__ import annotations
@@ -115,6 +120,8 @@ def parse_args(argv: list[str] | None) -> Plan:
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
                         help="measure peak memory per mode in separate processes (default: on)")  # fmt: skip
     parser.add_argument("--emulate-link", type=parse_link, default=None, metavar="GBPS[,LATENCY_MS]")
+    parser.add_argument("--degree", type=int, default=None,
+                        help="add the hybrid mode: ranks per shard group (and per node)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("out/compare"))
     args = parser.parse_args(argv)
     preset = PRESETS_BY_NAME[args.preset]
@@ -129,6 +136,11 @@ def parse_args(argv: list[str] | None) -> Plan:
         parser.error("--rounds and --steady-rounds must be at least 2 to report a spread")
     if steady_steps < 1:
         parser.error("--steady-steps must be at least 1")
+    if args.degree is not None and (args.degree < 1 or any(ws % args.degree for ws in args.world_sizes)):
+        parser.error(f"--degree must be >= 1 and divide every world size {args.world_sizes}")
+    modes = tuple(mode for mode in args.modes if mode != "hybrid" or args.degree is not None)
+    if link is not None and args.degree is not None:
+        link = dataclasses.replace(link, ranks_per_node=args.degree)
     base = dataclasses.replace(
         defaults,
         model=args.model,
@@ -140,7 +152,8 @@ def parse_args(argv: list[str] | None) -> Plan:
         steady_rounds=steady_rounds,
         steady_steps=steady_steps,
         profile_dir=str(args.out) if args.profile else None,
-        modes=args.modes,
+        modes=modes,
+        degree=args.degree,
         threads=args.threads,
         seed=args.seed,
     )
@@ -156,7 +169,7 @@ def _enter_link(plan: Plan, stack: contextlib.ExitStack) -> LinkConfig | None:
     otherwise say why and return None, so the run goes on without it."""
     if plan.link is None:
         return None
-    reason = link_unavailable_reason(plan.world_sizes)
+    reason = link_unavailable_reason(plan.world_sizes, plan.link.ranks_per_node)
     if reason is not None:
         print(f"NOTE: {reason}; running without link emulation.")
         return None
@@ -181,6 +194,9 @@ def run_once(config: RunConfig, world_size: int, memory: bool) -> dict:
     summary["bucket_mb"] = config.bucket_mb
     summary["loss_curve_ddp"] = ranks[0]["losses"].get("ddp", [])
     summary["timeline"] = ranks[0].get("timeline", [])
+    node_bytes = [r["link_tx_bytes_per_step"] for r in ranks if "link_tx_bytes_per_step" in r]
+    if node_bytes:
+        summary["link_bytes_per_step"] = {name: sum(n[name] for n in node_bytes) for name in node_bytes[0]}
     return summary
 
 
@@ -189,6 +205,10 @@ def _print_run(run: dict, config: RunConfig) -> None:
           f"{config.micro_batch}x{config.seq_len} tokens/rank, {bucket_label(run['bucket_mb'])} MiB buckets "
           f"({len(run['buckets_padded_numel'])} buckets) ==")  # fmt: skip
     print(report.mode_table(run))
+    if "link_bytes_per_step" in run:
+        print("bytes across the emulated link per step (both directions, steady blocks, median):")
+        for name, sent in run["link_bytes_per_step"].items():
+            print(f"  {name:10} {sent / 2**20:9.2f} MiB")
     print(f"block = {config.steps_per_round}-step blocks ending in sync_params(); steady = "
           f"{config.steady_steps}-step blocks; medians of the slowest rank")  # fmt: skip
     print("\n".join(report.analysis_lines(run)))

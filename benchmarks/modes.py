@@ -19,8 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks.models import build_model
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
 
-MODES = ("ddp", "zero", "sync", "overlap")
-"""Measured modes, in the interleaving order A B C D."""
+MODES = ("ddp", "zero", "sync", "overlap", "hybrid")
+"""Measured modes, in the interleaving order A B C D E. ``hybrid`` (ShardingStage1 overlap with
+``Strategy().sharding.degree``) runs only when ``--degree`` is given."""
 
 COMM_ONLY = "comm"
 """Pseudo-mode: the sharded modes' collectives on their own buffers, with no compute."""
@@ -31,7 +32,7 @@ With :data:`COMM_ONLY` it gives max(compute, comm), the best any overlap can do.
 
 PSEUDO_MODES = (COMM_ONLY, COMPUTE_ONLY)
 
-MUST_AGREE = ("ddp", "sync", "overlap")
+MUST_AGREE = ("ddp", "sync", "overlap", "hybrid")
 """Modes that run the same arithmetic and so must end with the same params (to tolerance)."""
 
 LABELS = {
@@ -39,6 +40,7 @@ LABELS = {
     "zero": "DDP + ZeroRedundancyOptimizer",
     "sync": "ShardingStage1 sync",
     "overlap": "ShardingStage1 overlap",
+    "hybrid": "ShardingStage1 overlap, hybrid",
     COMM_ONLY: "comm only (RS + AG)",
     COMPUTE_ONLY: "compute only (no comm)",
 }
@@ -68,6 +70,8 @@ class ModeSpec:
     adamw: AdamWConfig
     device: torch.device
     group: ProcessGroup
+    degree: int | None = None
+    """Ranks per shard group of the ``hybrid`` mode."""
 
 
 class Runner:
@@ -181,9 +185,13 @@ def _build_zero(model: nn.Module, spec: ModeSpec) -> Runner:
     return Runner("zero", model, forward, optimizer)
 
 
-def _build_sharded(overlap: bool) -> Callable[[nn.Module, ModeSpec], Runner]:
+def _build_sharded(overlap: bool, hybrid: bool = False) -> Callable[[nn.Module, ModeSpec], Runner]:
     def build(model: nn.Module, spec: ModeSpec) -> Runner:
-        strategy = Strategy(sharding=ShardingConfig(enable=True, bucket_size_mb=spec.bucket_mb))
+        if hybrid and spec.degree is None:
+            raise ValueError("the hybrid mode needs --degree (ranks per shard group)")
+        degree = spec.degree if hybrid else None
+        config = ShardingConfig(enable=True, bucket_size_mb=spec.bucket_mb, degree=degree)
+        strategy = Strategy(sharding=config)
         optimizer = ShardingStage1(
             torch.optim.AdamW(model.parameters(), **spec.adamw.kwargs()),
             overlap=overlap,
@@ -191,7 +199,7 @@ def _build_sharded(overlap: bool) -> Callable[[nn.Module, ModeSpec], Runner]:
             process_group=spec.group,
             model=model,
         )
-        return Runner("overlap" if overlap else "sync", model, model, optimizer)
+        return Runner("hybrid" if hybrid else "overlap" if overlap else "sync", model, model, optimizer)
 
     return build
 
@@ -201,6 +209,7 @@ _BUILDERS: dict[str, Callable[[nn.Module, ModeSpec], Runner]] = {
     "zero": _build_zero,
     "sync": _build_sharded(overlap=False),
     "overlap": _build_sharded(overlap=True),
+    "hybrid": _build_sharded(overlap=True, hybrid=True),
 }
 
 
@@ -218,6 +227,9 @@ def comm_bytes_per_step(runner: Runner, world_size: int) -> dict[str, float]:
     sends (``wire_per_rank``).
 
     Formulas, with P the param bytes, B the padded bucket bytes and N the world size:
+      hybrid (k ranks per shard group, r = N/k replicas): reduce-scatter + all-gather within the
+        shard group, wire 2(k-1)/k * B, plus an all-reduce of the B/k shard across replicas,
+        wire 2(r-1)/r * B/k (the only bytes that cross between shard groups).
       DDP: one all-reduce of the grads: payload P, wire 2(N-1)/N * P.
       sharded: reduce-scatter + all-gather of every padded bucket: payload 2B,
         wire (N-1)/N * B + (N-1)/N * B = 2(N-1)/N * B (same as DDP up to padding).
@@ -232,6 +244,11 @@ def comm_bytes_per_step(runner: Runner, world_size: int) -> dict[str, float]:
     ring = (world_size - 1) / world_size
     if isinstance(runner.optimizer, ShardingStage1):
         padded = sum(b.padded_numel * b.dtype.itemsize for b in runner.optimizer.plan.buckets)
+        groups = runner.optimizer.shard_groups
+        if groups.num_replicas > 1 and groups.shard_size > 1:
+            k, r = groups.shard_size, groups.num_replicas
+            across = 2 * (r - 1) / r * padded / k
+            return {"payload": 2.0 * padded + padded / k, "wire_per_rank": 2 * (k - 1) / k * padded + across}
         return {"payload": 2.0 * padded, "wire_per_rank": 2 * ring * padded}
     params = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.requires_grad)
     if runner.name == "zero":

@@ -1,6 +1,11 @@
 """``--emulate-link``: put each rank behind its own Linux network namespace, joined by a veth
 pair shaped with ``tc ... tbf``, so communication costs network time instead of loopback memcpy.
 
+With ``ranks_per_node`` > 1 (``--degree`` on 4 ranks) there are still two namespaces, two
+emulated "nodes" of ``ranks_per_node`` ranks each: ranks of one node reach each other through
+their namespace's own addresses (the kernel routes local traffic over ``lo``, unshaped), and the
+nodes through the shaped veth. :func:`link_tx_bytes` reads what this node sent over it.
+
 The parent creates the namespaces (root needed) and always deletes them, also on failure. Each
 rank, already in the default process group over loopback, enters its namespace and builds a
 second gloo group bound to its veth end; the benchmark's collectives all go through that group.
@@ -32,6 +37,11 @@ class LinkConfig:
     gbps: float
     latency_ms: float = 0.0
     prefix: str = "shopt"
+    ranks_per_node: int = 1
+    """Ranks in each of the two namespaces."""
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
 
     def namespace(self, rank: int) -> str:
         return f"{self.prefix}-ns{rank}"
@@ -51,10 +61,13 @@ def parse_link(text: str) -> LinkConfig:
     return LinkConfig(*parts, prefix=f"shopt{os.getpid()}")
 
 
-def link_unavailable_reason(world_sizes: tuple[int, ...]) -> str | None:
+def link_unavailable_reason(world_sizes: tuple[int, ...], ranks_per_node: int = 1) -> str | None:
     """Why the link cannot be emulated here, or None if it can."""
-    if set(world_sizes) != {2}:
-        return f"--emulate-link joins exactly 2 ranks with one veth pair, but world sizes are {world_sizes}"
+    if set(world_sizes) != {2 * ranks_per_node}:
+        return (
+            f"--emulate-link joins exactly 2 nodes of {ranks_per_node} rank(s) with one veth pair, "
+            f"but world sizes are {world_sizes}"
+        )
     if os.geteuid() != 0:
         return "--emulate-link needs root (network namespaces and tc)"
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
@@ -110,13 +123,25 @@ def link_group(link: LinkConfig) -> ProcessGroup:
     Called by every rank (``new_group`` is collective). The default group's store connection
     stays in the root namespace, which is fine: a socket keeps the namespace it was made in.
     """
-    rank = dist.get_rank()
-    fd = os.open(os.path.join(NETNS_DIR, link.namespace(rank)), os.O_RDONLY)
+    node = link.node_of(dist.get_rank())
+    fd = os.open(os.path.join(NETNS_DIR, link.namespace(node)), os.O_RDONLY)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {link.namespace(rank)} failed")
+            raise OSError(ctypes.get_errno(), f"setns into {link.namespace(node)} failed")
     finally:
         os.close(fd)
-    os.environ["GLOO_SOCKET_IFNAME"] = link.interface(rank)
+    os.environ["GLOO_SOCKET_IFNAME"] = link.interface(node)
     return dist.new_group(backend="gloo")
+
+
+def link_tx_bytes(link: LinkConfig) -> int:
+    """Bytes this rank's node has sent over its veth end so far (its namespace's counter, read
+    from ``/proc/self/net/dev``, which shows the calling thread's network namespace)."""
+    interface = link.interface(link.node_of(dist.get_rank()))
+    with open("/proc/self/net/dev") as table:
+        for line in table:
+            name, _, counters = line.partition(":")
+            if name.strip() == interface:
+                return int(counters.split()[8])  # receive has 8 columns, then transmit bytes
+    raise RuntimeError(f"link_tx_bytes: no interface {interface} in this network namespace")

@@ -4,6 +4,7 @@ memory pass. Functions here are module-level so ``sharded_opt.spawn`` can pickle
 from __future__ import annotations
 
 import resource
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from benchmarks.modes import (
     build_runner,
     comm_bytes_per_step,
 )
-from benchmarks.netns import LinkConfig, link_group
+from benchmarks.netns import LinkConfig, link_group, link_tx_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,8 @@ class RunConfig:
     """Write one Chrome trace of one step per mode here (rank 0), see ``--profile``."""
     link: LinkConfig | None = None
     adamw: AdamWConfig = AdamWConfig()
+    degree: int | None = None
+    """Ranks per shard group of the ``hybrid`` mode (``--degree``)."""
 
     @property
     def total_steps(self) -> int:
@@ -83,7 +86,10 @@ def compare_rank(config: RunConfig) -> dict:
     times = _timed_rounds(
         runners, batches[config.warmup : short_end], config.steps_per_round, losses, group, show
     )
-    steady = _timed_rounds(runners, batches[short_end:], config.steady_steps, losses, group, show)
+    link_bytes: dict[str, list[float]] = {name: [] for name in runners}
+    steady = _timed_rounds(
+        runners, batches[short_end:], config.steady_steps, losses, group, show, config.link, link_bytes
+    )
     result = {
         "rank": rank,
         "world_size": world_size,
@@ -97,6 +103,9 @@ def compare_rank(config: RunConfig) -> dict:
         "buckets": _bucket_sizes(runners),
         "rss_bytes": psutil.Process().memory_info().rss,
     }
+    if config.link is not None and rank % config.link.ranks_per_node == 0:
+        # This node's share of the bytes that crossed the emulated link, per step (steady blocks).
+        result["link_tx_bytes_per_step"] = {n: statistics.median(v) for n, v in link_bytes.items() if v}
     if config.trace_path is not None and "overlap" in runners:
         result["timeline"] = _trace_overlap_step(runners["overlap"], batches[-1], config.trace_path, rank)
     if config.profile_dir is not None:
@@ -133,7 +142,7 @@ def _mode_spec(config: RunConfig, group: ProcessGroup) -> ModeSpec:
         device = torch.device(accelerator.type, torch.accelerator.current_device_index())
     else:
         device = torch.device("cpu")
-    return ModeSpec(config.model, config.seed, config.bucket_mb, config.adamw, device, group)
+    return ModeSpec(config.model, config.seed, config.bucket_mb, config.adamw, device, group, config.degree)
 
 
 def _batches(config: RunConfig, rank: int, world_size: int, device: torch.device) -> list:
@@ -157,19 +166,26 @@ def _timed_rounds(
     losses: dict[str, list[float]],
     group: ProcessGroup,
     show: bool,
+    link: LinkConfig | None = None,
+    link_bytes: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Per-step seconds of each block: A B C D A B C D ..., each block ``k`` steps long (one
-    round per ``k`` batches) and ending with ``settle`` so its in-flight work is charged to it."""
+    round per ``k`` batches) and ending with ``settle`` so its in-flight work is charged to it.
+    With ``link`` and ``link_bytes``, also the bytes per step this rank's node sent over the
+    emulated link during each block."""
     times: dict[str, list[float]] = {name: [] for name in runners}
     bar = tqdm(range(len(batches) // k), desc=f"rounds of {k}", disable=not show, leave=False)
     for round_index in bar:
         block = batches[round_index * k : (round_index + 1) * k]
         for name, runner in runners.items():
             dist.barrier(group)
+            sent = link_tx_bytes(link) if link is not None else 0
             start = time.perf_counter()
             block_losses = [runner.step(inputs, targets) for inputs, targets in block]
             runner.settle()
             times[name].append((time.perf_counter() - start) / k)
+            if link is not None and link_bytes is not None:
+                link_bytes[name].append((link_tx_bytes(link) - sent) / k)
             losses[name].extend(loss.item() for loss in block_losses)
         if show:
             bar.set_postfix({name: f"{values[-1]:.3f}" for name, values in losses.items() if name in MODES})

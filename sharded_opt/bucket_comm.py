@@ -87,6 +87,7 @@ class BucketCommunicator:
         world_size: int,
         sharded: bool,
         precisions: list[BucketPrecision],
+        replicate_group: ProcessGroup | None = None,
     ) -> None:
         self.buffers = buffers
         self.group = group
@@ -94,6 +95,10 @@ class BucketCommunicator:
         self.world_size = world_size
         self.sharded = sharded and world_size > 1
         self.precisions = precisions
+        self.replicate_group = replicate_group if self.sharded else None
+        """Ranks holding the same shard (hybrid sharding), see Note [Hybrid sharding] in
+        ``hybrid_groups``; None without replicas."""
+        self._replica_chain = ReplicaChain()
         self.stream = new_comm_stream(buffers.plan.buckets[0].device)
         num_buckets = len(buffers.plan.buckets)
         self._grad_works: list[Work | Future | None] = [None] * num_buckets
@@ -151,6 +156,8 @@ class BucketCommunicator:
                     work = collectives.reduce_scatter_avg(reduced, grad_buffer, self.group, async_op=True)
                 else:
                     work = self._reduce_scatter_cast(reduced, grad_buffer)
+                if self.replicate_group is not None:
+                    work = self._replica_chain.all_reduce_after(work, reduced, self.replicate_group)
             else:
                 if reduced is not grad_buffer:
                     reduced.copy_(grad_buffer)
@@ -177,6 +184,7 @@ class BucketCommunicator:
                 shard.copy_reduced_to_stepped_grad()
         if all(work is None for work in self._grad_works):
             # Compute waited for every reduction, and comm-stream work starts behind compute.
+            self._replica_chain.reset()
             self._staging.forget_readers()
 
     def launched_grad_buckets(self) -> list[int]:
@@ -260,6 +268,74 @@ class BucketCommunicator:
         if shard is None:
             raise RuntimeError(f"BucketCommunicator: bucket {bucket_index} has no local shard")
         return shard
+
+
+class ReplicaChain:
+    """Averages each bucket's reduce-scattered shard across the replicate group once its
+    reduce-scatter has landed, issuing those all-reduces in the order the buckets were launched.
+
+    Note [Replica all-reduce order]
+        Collectives of one group pair up across ranks in issue order, so the replicate
+        all-reduces must be issued in the same order on every rank: the buckets' launch order,
+        which is the bucket order on every rank. Their reduce-scatters, though, may complete in
+        any order (gloo runs several collectives of a group at once). On CPU, bucket i's
+        all-reduce is therefore issued by a callback that runs once both its reduce-scatter
+        completed and bucket i-1's all-reduce was issued: it runs in the background (on gloo's
+        thread) and keeps the order. On an accelerator the comm stream waits for the
+        reduce-scatter (``Work.wait()``, the host is not blocked on NCCL) and the all-reduce is
+        issued behind it at once, so host order is launch order. Sync and overlap mode issue the
+        same collectives in the same order on the same buffers: results stay bitwise equal.
+    """
+
+    def __init__(self) -> None:
+        self._last_issued: Future | None = None
+
+    def all_reduce_after(
+        self, reduce_scatter: Work | Future | None, shard: Tensor, group: ProcessGroup
+    ) -> Work | _IssuedWork | None:
+        """Average ``shard`` over ``group`` once ``reduce_scatter`` (which writes it) is done;
+        returns a handle whose ``wait()`` makes ``shard`` final."""
+        if shard.device.type != "cpu":
+            wait_comm([reduce_scatter])
+            return collectives.all_reduce_avg(shard, group, async_op=True)
+        before = [_as_future(reduce_scatter)]
+        if self._last_issued is not None:
+            before.append(self._last_issued)
+
+        def issue(done: Future) -> Work | None:
+            for future in done.value():
+                future.value()  # raises what a failed reduce-scatter (or earlier issue) raised
+            return collectives.all_reduce_avg(shard, group, async_op=True)
+
+        issued = torch.futures.collect_all(before).then(issue)
+        self._last_issued = issued
+        return _IssuedWork(issued)
+
+    def reset(self) -> None:
+        """Every all-reduce was waited for; the next one starts a new chain."""
+        self._last_issued = None
+
+
+class _IssuedWork:
+    """The handle of an all-reduce issued later by a callback: ``wait()`` waits for the
+    callback, then for the all-reduce, and raises what either raised."""
+
+    def __init__(self, issued: Future) -> None:
+        self._issued = issued
+
+    def wait(self) -> bool:
+        work = self._issued.wait()
+        if work is not None:
+            work.wait()
+        return True
+
+
+def _as_future(handle: Work | Future | None) -> Future:
+    if handle is None:
+        done: Future = Future()
+        done.set_result(None)
+        return done
+    return handle.get_future() if isinstance(handle, Work) else handle
 
 
 class _StagingPool:

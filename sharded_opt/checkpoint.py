@@ -153,7 +153,7 @@ def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ShardedTensor
         entries.update(_hyperparameter_entries(group_index, group))
     local = param_states(optimizer._inner, optimizer._comm.live_shards())
     descriptions = describe_param_states(optimizer, local)
-    per_param = _PerParamEntries(optimizer)
+    per_param = _PerParamEntries(optimizer, writing=True)
     for index, description in descriptions.items():
         for key, (kind, value) in description.items():
             name = f"state.{index}.{key}"
@@ -180,7 +180,7 @@ class _LoadPlan:
     def __init__(self, optimizer: ShardingStage1, saved: dict[str, Any]) -> None:
         self._optimizer = optimizer
         self._saved = saved
-        per_param = _PerParamEntries(optimizer)
+        per_param = _PerParamEntries(optimizer, writing=False)
         device = optimizer.plan.buckets[0].device
         self.entries: dict[str, Tensor | ShardedTensor] = {}
         self._local: dict[str, tuple[int, str | None, Tensor]] = {}
@@ -249,12 +249,17 @@ def _parse_state_name(name: str) -> tuple[int, str | None] | None:
 
 class _PerParamEntries:
     """Turns this rank's piece of a param into the param's checkpoint entry, see Note
-    [Checkpoint layout]."""
+    [Checkpoint layout]. With hybrid sharding the entries describe one replica's shard group:
+    the first replica's when ``writing`` (only it writes, so each piece is written once), this
+    rank's own when reading (every replica reads its pieces)."""
 
-    def __init__(self, optimizer: ShardingStage1) -> None:
+    def __init__(self, optimizer: ShardingStage1, writing: bool) -> None:
         self._optimizer = optimizer
         self.pieces = local_pieces(optimizer)
-        self._every_rank = _pieces_of_every_rank(optimizer) if optimizer._comm.sharded else {}
+        groups = optimizer.shard_groups
+        self._writes = not writing or groups.replica_rank == 0 or not optimizer._comm.sharded
+        row = groups.grid[0] if writing else groups.grid[groups.replica_rank]
+        self._every_rank = _pieces_of_every_rank(optimizer, row) if optimizer._comm.sharded else {}
 
     def entry(self, index: int, local: Tensor | None, dtype: torch.dtype) -> Tensor | ShardedTensor:
         """``local`` holds this rank's elements of param ``index`` (None: this rank has none)."""
@@ -263,17 +268,21 @@ class _PerParamEntries:
             if local is None:
                 raise RuntimeError(f"checkpoint: unsharded state of param {index} is missing")
             return local
-        return _sharded_view(
-            self._optimizer, local, dtype, numel, self.pieces.get(index), self._every_rank[index]
-        )
+        if not self._writes:
+            local = None
+        piece = self.pieces.get(index) if self._writes else None
+        return _sharded_view(self._optimizer, local, dtype, numel, piece, self._every_rank[index])
 
 
-def _pieces_of_every_rank(optimizer: ShardingStage1) -> dict[int, list[tuple[int, ShardPiece]]]:
+def _pieces_of_every_rank(
+    optimizer: ShardingStage1, row: tuple[int, ...]
+) -> dict[int, list[tuple[int, ShardPiece]]]:
+    """Per param, the global rank of ``row`` (a shard group) holding each of its pieces."""
     result: dict[int, list[tuple[int, ShardPiece]]] = {}
     for bucket in optimizer.plan.buckets:
-        for rank in range(optimizer.world_size):
-            for piece in bucket.shard_pieces(rank):
-                result.setdefault(piece.param_index, []).append((rank, piece))
+        for shard_rank, global_rank in enumerate(row):
+            for piece in bucket.shard_pieces(shard_rank):
+                result.setdefault(piece.param_index, []).append((global_rank, piece))
     return result
 
 
@@ -288,15 +297,14 @@ def _sharded_view(
     """A 1-D ShardedTensor over the whole param whose local shard is ``local``."""
     device = optimizer.plan.buckets[0].device
 
-    def metadata_of(rank: int, piece: ShardPiece) -> ShardMetadata:
-        global_rank = dist.get_global_rank(optimizer.process_group, rank)
+    def metadata_of(global_rank: int, piece: ShardPiece) -> ShardMetadata:
         return ShardMetadata([piece.param_start], [piece.numel], f"rank:{global_rank}/{device}")
 
     local_shards = []
     if local_piece is not None:
         if local is None or local.numel() != local_piece.numel:
             raise RuntimeError("checkpoint: a local state piece does not match the layout")
-        local_shards.append(Shard(local, metadata_of(optimizer.rank, local_piece)))
+        local_shards.append(Shard(local, metadata_of(dist.get_rank(), local_piece)))
     metadata = ShardedTensorMetadata(
         [metadata_of(rank, piece) for rank, piece in every_rank],
         torch.Size([numel]),

@@ -300,7 +300,6 @@ class GradReadyTracker:
                 self._grad_versions[bucket_index] = self._buffers.grad_buffers[bucket_index]._version
 
 
-
 class _AccumulateGradHook:
     """The post-accumulate-grad hook of one param: records the grad for its tracker, see Note
     [Hook cost]. Refers to the tracker weakly and does nothing once it is gone or once the

@@ -53,5 +53,6 @@ class ShardedGradScaler(torch.amp.GradScaler):
         per_device = super()._unscale_grads_(optimizer._inner, inv_scale, found_inf, allow_fp16)
         optimizer._grad_tracker.accept_grad_writes()
         for device_found_inf in per_device.values():
-            dist.all_reduce(device_found_inf, op=dist.ReduceOp.MAX, group=optimizer.process_group)
+            # Replicas hold equal shards (hybrid sharding): the shard group sees every element.
+            dist.all_reduce(device_found_inf, op=dist.ReduceOp.MAX, group=optimizer._comm.group)
         return per_device

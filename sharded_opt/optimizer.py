@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from fusion.bucket_sizing import trainable_bytes
@@ -56,6 +57,7 @@ from sharded_opt.bucket_comm import BucketCommunicator
 from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.grad_hooks import GradReadyTracker
 from sharded_opt.grad_presence import GradPresence
+from sharded_opt.hybrid_groups import resolve_shard_groups
 from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, hyperparameters
 from sharded_opt.local_shard import resolve_precision
 from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter
@@ -66,7 +68,6 @@ from sharded_opt.validation import (
     check_optimizer,
     check_same_layout,
     collect_params,
-    resolve_process_group,
 )
 from sharded_opt.weak_hooks import remove_handles
 
@@ -98,11 +99,20 @@ class ShardingStage1(torch.optim.Optimizer):
             their own params only, see :meth:`attach`.
         assume_elementwise: accept an optimizer class not known to be element-wise, on the
             caller's word that each element's update depends only on its own grad and state.
+        device_mesh: hybrid sharding given as FSDP2's HSDP takes it: a 2-D ``DeviceMesh`` whose
+            dims are (replicate, shard). Each mesh row is a shard group, each column holds
+            replicas of one shard; the same as ``ShardingConfig(degree=k)`` for a mesh of rows of
+            ``k`` consecutive ranks. Memory per rank is then S/k, and only an all-reduce of each
+            rank's 1/k shard crosses between rows; see Note [Hybrid sharding] in
+            ``sharded_opt/hybrid_groups.py``. Not together with ``process_group`` or ``degree``.
 
     Raises:
-        TypeError: ``optimizer`` is not a supported ``torch.optim.Optimizer``; bad argument types.
+        TypeError: ``optimizer`` is not a supported ``torch.optim.Optimizer``; bad argument types
+            (``device_mesh`` that is not a ``DeviceMesh``).
         ValueError: no trainable params, duplicate or sparse params, params on several devices,
-            ranks with different params, an optimizer that already stepped or is already wrapped.
+            ranks with different params, an optimizer that already stepped or is already wrapped;
+            a ``degree`` that does not divide the world size, a ``device_mesh`` that is not 2-D or
+            comes with ``process_group`` or ``degree``.
         RuntimeError: no initialized process group.
 
     Grads: ``param.grad`` stays a view of the flat grad buffer and holds this rank's local
@@ -121,12 +131,14 @@ class ShardingStage1(torch.optim.Optimizer):
         process_group: ProcessGroup | None = None,
         model: nn.Module | None = None,
         assume_elementwise: bool = False,
+        device_mesh: DeviceMesh | None = None,
     ) -> None:
         config = _resolve_config(strategy, overlap)
         check_optimizer(optimizer, assume_elementwise)
         _check_not_stepped(optimizer)
         params, specs = collect_params(optimizer)
-        group, rank, world_size = resolve_process_group(process_group)
+        groups = resolve_shard_groups(process_group, config.degree, device_mesh, config.enable)
+        group, rank, world_size = groups.world, dist.get_rank(groups.world), dist.get_world_size(groups.world)
         check_same_layout(specs, group, world_size)
 
         self.overlap = config.enable_overlap
@@ -135,10 +147,12 @@ class ShardingStage1(torch.optim.Optimizer):
         self.process_group = group
         self.rank = rank
         self.world_size = world_size
+        self.shard_groups = groups
+        sharded = config.enable and groups.shard_size > 1
         bucket_sizes = config.bucket_sizes(trainable_bytes(specs))
         self.plan: LayoutPlan = plan_layout(
             specs,
-            world_size if config.enable else 1,
+            groups.shard_size if sharded else 1,
             align_bytes=config.align_bytes,
             bucket_size_bytes=bucket_sizes.bucket_bytes,
             first_bucket_bytes=bucket_sizes.first_bucket_bytes,
@@ -149,7 +163,18 @@ class ShardingStage1(torch.optim.Optimizer):
             resolve_precision(bucket.dtype, config.reduce_dtype, config.master_dtype)
             for bucket in self.plan.buckets
         ]
-        self._comm = BucketCommunicator(self._buffers, group, rank, world_size, config.enable, precisions)
+        if sharded:
+            self._comm = BucketCommunicator(
+                self._buffers,
+                groups.shard,
+                groups.shard_rank,
+                groups.shard_size,
+                True,
+                precisions,
+                replicate_group=groups.replicate,
+            )
+        else:
+            self._comm = BucketCommunicator(self._buffers, group, rank, world_size, False, precisions)
         if optimizer.state:
             # The class creates state at construction (Adagrad): it exists for every param, frozen
             # or not, so every bucket needs its pieces now, as the plain optimizer has them.
@@ -271,7 +296,8 @@ class ShardingStage1(torch.optim.Optimizer):
             ).sum()
             op = dist.ReduceOp.SUM
         if self._comm.sharded:
-            dist.all_reduce(local, op=op, group=self.process_group)
+            # Replicas hold equal shards after the replicate all-reduce: each element counts once.
+            dist.all_reduce(local, op=op, group=self._comm.group)
         total = local if norm_type == math.inf else local ** (1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(

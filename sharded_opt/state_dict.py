@@ -47,7 +47,7 @@ def local_pieces(optimizer: ShardingStage1) -> dict[int, ShardPiece]:
     pieces: dict[int, ShardPiece] = {}
     for bucket in optimizer.plan.buckets:
         if optimizer._comm.sharded:
-            pieces.update((piece.param_index, piece) for piece in bucket.shard_pieces(optimizer.rank))
+            pieces.update((piece.param_index, piece) for piece in bucket.shard_pieces(optimizer._comm.rank))
         else:
             pieces.update(
                 (slot.param_index, ShardPiece(slot.param_index, 0, slot.offset, slot.numel))
@@ -109,7 +109,7 @@ def gather_state_dict(optimizer: ShardingStage1, to_rank: int | None) -> dict[st
                 entry[key] = value.clone() if isinstance(value, Tensor) else value
                 continue
             full = torch.zeros(params[index].numel(), dtype=value, device=params[index].device)
-            if index in local:
+            if index in local and _contributes(optimizer):
                 piece = pieces[index]
                 full[piece.param_start : piece.param_start + piece.numel] = local[index][key]
             if optimizer._comm.sharded:
@@ -119,6 +119,12 @@ def gather_state_dict(optimizer: ShardingStage1, to_rank: int | None) -> dict[st
     if to_rank is not None and optimizer.rank != to_rank:
         return None
     return {"state": state, "param_groups": indexed_groups(optimizer.param_groups)}
+
+
+def _contributes(optimizer: ShardingStage1) -> bool:
+    """Whether this rank's pieces go into the sum: with hybrid sharding every replica holds the
+    same pieces, so only the first replica's count (see Note [Hybrid sharding])."""
+    return not optimizer._comm.sharded or optimizer.shard_groups.replica_rank == 0
 
 
 def _sum_over_group(tensor: Tensor, optimizer: ShardingStage1, to_rank: int | None) -> None:

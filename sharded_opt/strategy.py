@@ -25,6 +25,14 @@ class ShardingConfig:
     optimizer state on every rank and all-reduces grads: plain data parallel through the same
     wrapper, useful as a baseline."""
 
+    degree: int | None = None
+    """Ranks per shard group (hybrid sharding): each bucket is split over ``degree`` consecutive
+    ranks and replicated across the ``world_size / degree`` groups, so all-gathers and
+    reduce-scatters stay within a group (a node) and only an all-reduce of each rank's 1/degree
+    shard crosses between groups. Optimizer state per rank is S/degree instead of S/world_size.
+    None shards over the whole process group. Must divide the world size (checked when the
+    wrapper is built). See Note [Hybrid sharding] in ``sharded_opt/hybrid_groups.py``."""
+
     enable_overlap: bool = False
     """Reduce each bucket's grads as soon as backward has produced them, and all-gather updated
     params while the next forward runs. False communicates inside ``step()`` only."""
@@ -101,6 +109,12 @@ def _check_field(name: str, value: Any) -> None:
             raise ValueError(
                 "Strategy.sharding.bucket_size_mb expects a number > 0 (finite), or None to size "
                 f"buckets from the model, but got {value!r}"
+            )
+    elif name == "degree":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(
+                "Strategy.sharding.degree expects None (shard over every rank) or an int >= 1 "
+                f"(ranks per shard group, e.g. the GPUs of one node) but got {value!r}"
             )
     elif name == "align_bytes":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):

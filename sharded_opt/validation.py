@@ -121,13 +121,19 @@ def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGr
     if dist.get_rank(group) < 0:
         raise ValueError("ShardingStage1 was given a process_group that this rank is not a member of")
     ranks = dist.get_process_group_ranks(group)
-    communicator = dist.new_group(
-        ranks=ranks,
-        timeout=_timeout_of(group),
-        backend=dist.get_backend(group),
-        use_local_synchronization=len(ranks) < dist.get_world_size(),
-    )
+    communicator = new_communicator(ranks, group, local=len(ranks) < dist.get_world_size())
     return communicator, dist.get_rank(communicator), dist.get_world_size(communicator)
+
+
+def new_communicator(ranks: list[int], like: ProcessGroup, local: bool) -> ProcessGroup:
+    """A new group of the global ``ranks`` with ``like``'s backend and timeout; ``local``: created
+    by its members only, see Note [One communicator per wrapper]."""
+    return dist.new_group(
+        ranks=ranks,
+        timeout=_timeout_of(like),
+        backend=dist.get_backend(like),
+        use_local_synchronization=local,
+    )
 
 
 def _timeout_of(group: ProcessGroup) -> datetime.timedelta | None:

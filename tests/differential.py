@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
 
@@ -68,6 +69,10 @@ class Program:
     bf16_master: bool = False
     overlap: bool = False
     attach_model: bool = True
+    degree: int | None = None
+    """Hybrid sharding: ranks per shard group (None: shard over every rank)."""
+    device_mesh: bool = False
+    """Give the hybrid layout as a 2-D DeviceMesh instead of ``degree``."""
 
 
 class ExpertModel(nn.Module):
@@ -140,15 +145,21 @@ class ShardedRun:
         set_frozen(self.model, program.frozen_at_wrap)
         inner = OPTIMIZERS[program.optimizer](self.model.parameters())
         self.scheduler = make_scheduler(program.scheduler, inner) if program.scheduler_before_wrap else None
+        mesh = None
+        if program.device_mesh:
+            shape = (self.world_size // program.degree, program.degree)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         config = ShardingConfig(
             bucket_size_mb=program.bucket_size_mb,
             master_dtype=torch.float32 if program.bf16_master else None,
+            degree=None if program.device_mesh else program.degree,
         )
         self.optimizer = ShardingStage1(
             inner,
             overlap=program.overlap,
             strategy=Strategy(sharding=config),
             model=self.model if program.attach_model else None,
+            device_mesh=mesh,
         )
         if not program.scheduler_before_wrap:
             self.scheduler = make_scheduler(program.scheduler, self.optimizer)
@@ -179,6 +190,7 @@ class PlainRun:
     def __init__(self, program: Program, world_size: int) -> None:
         self.program = program
         self.world_size = world_size
+        self.degree = program.degree if program.degree is not None else world_size
         self.model = make_model(program.bf16_master)
         set_frozen(self.model, program.frozen_at_wrap)
         params = list(self.model.parameters())
@@ -204,7 +216,7 @@ class PlainRun:
                 ]
         self.model.zero_grad()
         for index, master in enumerate(self.masters):
-            grad = _average([grads[index] for grads in self.slice_grads], params[index].dtype)
+            grad = _average([grads[index] for grads in self.slice_grads], params[index].dtype, self.degree)
             master.grad = None if grad is None else grad.to(master.dtype)
         self.optimizer.step()
         if self.program.bf16_master:
@@ -227,18 +239,28 @@ def _add(total: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor
     return total + value
 
 
-def _average(grads: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor | None:
+def _average(grads: list[torch.Tensor | None], dtype: torch.dtype, degree: int) -> torch.Tensor | None:
     """Sum in rank order (missing grads count as zeros), then divide, in the reduction dtype
-    (fp32 for 16-bit grads), as the ranks' averaging collective does."""
+    (fp32 for 16-bit grads), as the ranks' averaging collective does. With hybrid sharding
+    (``degree`` < ranks) as its two collectives do: the mean of each shard group of ``degree``
+    consecutive ranks, then the mean of those means in group order."""
     present = [g for g in grads if g is not None]
     if not present:
         return None
     reduce_dtype = torch.float32 if dtype.itemsize < 4 else dtype
-    total = torch.zeros_like(present[0], dtype=reduce_dtype)
-    for grad in grads:
-        if grad is not None:
-            total = total + grad.to(reduce_dtype)
-    return total / len(grads)
+    means = []
+    for start in range(0, len(grads), degree):
+        total = torch.zeros_like(present[0], dtype=reduce_dtype)
+        for grad in grads[start : start + degree]:
+            if grad is not None:
+                total = total + grad.to(reduce_dtype)
+        means.append(total / degree)
+    if len(means) == 1:
+        return means[0]
+    total = torch.zeros_like(means[0])
+    for mean in means:
+        total = total + mean
+    return total / len(means)
 
 
 def run_program(program: Program) -> dict:

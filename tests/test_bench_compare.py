@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from benchmarks import compare, report
+from benchmarks import compare, netns, report
 from benchmarks.modes import COMM_ONLY, COMPUTE_ONLY
 
 MS = 1e-3
@@ -106,6 +106,21 @@ def test_rejects_a_single_steady_round(capsys):
     with pytest.raises(SystemExit):
         compare.parse_args(["--steady-rounds", "1"])
     assert "--steady-rounds must be at least 2" in capsys.readouterr().err
+
+
+def test_degree_adds_the_hybrid_mode_and_two_emulated_nodes():
+    plan = compare.parse_args(["--world-sizes", "4", "--degree", "2", "--emulate-link", "0.5"])
+    assert plan.base.modes[-1] == "hybrid" and plan.base.degree == 2
+    assert plan.link.ranks_per_node == 2 and [plan.link.node_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert "hybrid" not in compare.parse_args([]).base.modes
+    reason = netns.link_unavailable_reason((4,), ranks_per_node=1)
+    assert reason.startswith("--emulate-link joins exactly 2 nodes of 1 rank(s)")
+
+
+def test_degree_must_divide_every_world_size(capsys):
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--world-sizes", "4", "--degree", "3"])
+    assert "--degree must be >= 1 and divide every world size (4,)" in capsys.readouterr().err
 
 
 def test_tiny_run_profiles_every_mode(tmp_path):

@@ -54,6 +54,7 @@ class RunConfig:
     param_dtype: torch.dtype = torch.float32
     master_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    degree: int | None = None
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> ParityMLP:
@@ -114,6 +115,7 @@ def train_sharded(config: RunConfig) -> dict:
             bucket_size_mb=config.bucket_size_mb,
             master_dtype=config.master_dtype,
             reduce_dtype=config.reduce_dtype,
+            degree=config.degree,
         )
     )
     optimizer = ShardingStage1(
