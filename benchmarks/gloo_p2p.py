@@ -48,7 +48,9 @@ def _variants(opt: ShardingStage1) -> dict[str, Callable[[], None]]:
     def persistent_p2p(index: int) -> object:
         works = collectives.start_reduce_scatter_by_p2p(persistent[index], grads[index], group)
         return collectives._in_background(
-            works, lambda: collectives.sum_received(outputs[index], persistent[index], group.size())
+            works,
+            lambda: collectives.sum_received(outputs[index], persistent[index], group.size()),
+            "gloo:reduce_scatter (point-to-point)",
         )
 
     return {

@@ -29,6 +29,7 @@ from benchmarks.modes import (
     comm_bytes_per_step,
 )
 from benchmarks.netns import LinkConfig, link_group, link_tx_bytes
+from benchmarks.trace_analysis import profiler_options
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +218,7 @@ def _trace_overlap_step(runner: Runner, batch: tuple, trace_path: str, rank: int
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profiler:
+    with torch.profiler.profile(activities=activities, **profiler_options()) as profiler:
         runner.step(*batch)
         runner.settle()
     if rank != 0:

@@ -5,8 +5,10 @@ Definitions (what "hidden comm %" means):
 
 * A *comm* event is a reduce-scatter or all-gather as the backend executes it: NCCL kernels
   (``ncclDevKernel_ReduceScatter...``, ``ncclKernel_AllGather...``) or gloo's own spans on its
-  worker threads (``gloo:all_to_all``, which is how the wrapper reduce-scatters on gloo, and
-  ``gloo:all_gather``). The host-side ``c10d::...`` issue calls are neither comm nor compute.
+  worker threads (``gloo:all_to_all``, ``gloo:all_gather``) or the wrapper's own spans of its
+  point-to-point collectives on gloo (``gloo:reduce_scatter (point-to-point)``, ``gloo:all_gather
+  (point-to-point)``, recorded with :func:`profiler_options`). The host-side ``c10d::...`` issue
+  calls, and gloo's ``gloo:send``/``gloo:recv`` posting spans, are neither comm nor compute.
 * A *compute* event is a GPU kernel that is not a collective (``compute="kernel"``) or, for CPU
   traces, an ``aten::`` operator (``compute="cpu_op"``).
 * Events are placed on *lanes* (a GPU stream or a host thread). Compute on the same lane as a
@@ -26,7 +28,9 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+import torch
 
 Interval = tuple[float, float]
 """(start_us, end_us) with start <= end."""
@@ -35,6 +39,24 @@ CommKind = Literal["reduce_scatter", "all_gather"]
 ComputeSource = Literal["kernel", "cpu_op"]
 
 _COMM_PREFIXES = ("gloo:", "nccl")
+
+
+def profiler_options() -> dict[str, Any]:
+    """Keyword arguments for ``torch.profiler.profile`` that record every host thread.
+
+    On gloo with CPU tensors the wrapper's collectives run over point-to-point messages that a
+    helper thread per collective waits for (Note [Reduce-scatter on gloo] in
+    ``sharded_opt/collectives.py``); their ``gloo:...`` spans live on those threads, which the
+    profiler records only with ``profile_all_threads`` (torch releases without it: no option,
+    and the trace then shows no such spans).
+    """
+    try:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        return {}
+    return {"experimental_config": config}
+
+
 _REDUCE_SCATTER_MARKERS = ("reducescatter", "alltoall")
 _ALL_GATHER_MARKERS = ("allgather",)
 

@@ -126,7 +126,7 @@ def all_reduce_avg(tensor: Tensor, group: ProcessGroup, async_op: bool) -> Work 
     return dist.all_reduce(tensor, op=ReduceOp.AVG, group=group, async_op=async_op)
 
 
-def all_gather(output: Tensor, input: Tensor, group: ProcessGroup, async_op: bool) -> Work | P2PWorks | None:
+def all_gather(output: Tensor, input: Tensor, group: ProcessGroup, async_op: bool) -> Work | Future | None:
     """Concatenate every rank's ``input`` into ``output``; ``input`` may be a view of ``output``
     at this rank's slice (an in-place all-gather, as FSDP2 uses).
 
@@ -135,7 +135,7 @@ def all_gather(output: Tensor, input: Tensor, group: ProcessGroup, async_op: boo
     if input.device.type == "cpu" and backend_for_device(group, "cpu") == "gloo":
         works = _all_gather_by_p2p(output, input, group)
         if async_op:
-            return works
+            return _in_background(works, _nothing, "gloo:all_gather (point-to-point)")
         works.wait()
         return None
     return _all_gather(output, input, group=group, async_op=async_op)
@@ -183,7 +183,7 @@ def _reduce_scatter_by_p2p(
     works = start_reduce_scatter_by_p2p(received, input, group)
     average = functools.partial(sum_received, output, received, group.size())
     if async_op:
-        return _in_background(works, average)
+        return _in_background(works, average, "gloo:reduce_scatter (point-to-point)")
     works.wait()
     average()
     return None
@@ -207,22 +207,33 @@ def sum_received(output: Tensor, received: Tensor, world_size: int) -> None:
     output.div_(world_size)
 
 
-def _in_background(works: P2PWorks, then: Callable[[], None]) -> Future:
+def _in_background(works: P2PWorks, then: Callable[[], None], name: str) -> Future:
     """A future fulfilled once ``works`` completed and ``then()`` ran on a helper thread (gloo's
-    point-to-point handles have no future to chain on); it carries their error if any."""
+    point-to-point handles have no future to chain on); it carries their error if any.
+
+    The thread's wait and ``then()`` are one profiler span named ``name`` (``gloo:...``, the
+    prefix gloo's own collectives use), so a trace shows the collective in flight on a lane of
+    its own, as it shows gloo's collectives on gloo's worker threads
+    (``benchmarks/trace_analysis.py`` counts it as communication).
+    """
     future: Future = Future()
 
     def run() -> None:
         try:
-            works.wait()
-            then()
+            with torch.profiler.record_function(name):
+                works.wait()
+                then()
         except Exception as error:  # handed to whoever waits on the future
             future.set_exception(error)
             return
         future.set_result(None)
 
-    threading.Thread(target=run, name="sharded_opt reduce-scatter", daemon=True).start()
+    threading.Thread(target=run, name=f"sharded_opt {name}", daemon=True).start()
     return future
+
+
+def _nothing() -> None:
+    """What an all-gather does once its messages arrived: they landed in place."""
 
 
 def broadcast_coalesced(tensors: list[Tensor], group: ProcessGroup, src: int) -> None:

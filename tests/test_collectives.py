@@ -191,6 +191,6 @@ def test_an_error_of_a_background_reduce_scatter_surfaces_at_wait() -> None:
         def wait(self) -> bool:
             raise RuntimeError("peer went away")
 
-    future = collectives._in_background(FailingWorks(), lambda: None)
+    future = collectives._in_background(FailingWorks(), lambda: None, "gloo:test")
     with pytest.raises(RuntimeError, match="peer went away"):
         future.wait()

@@ -17,6 +17,7 @@ from benchmarks.trace_analysis import (
     intersection,
     length,
     load_chrome_trace,
+    profiler_options,
     union,
 )
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
@@ -41,6 +42,9 @@ def test_intersection_of_two_unions() -> None:
         ("ncclKernel_AllGather_RING_LL_Sum_int8_t", "all_gather"),
         ("gloo:all_to_all", "reduce_scatter"),
         ("gloo:all_gather", "all_gather"),
+        ("gloo:reduce_scatter (point-to-point)", "reduce_scatter"),
+        ("gloo:all_gather (point-to-point)", "all_gather"),
+        ("gloo:send", None),
         ("gloo:all_reduce", None),
         ("c10d::_allgather_base_", None),
         ("aten::mm", None),
@@ -112,7 +116,9 @@ def _record_overlap_trace(path: str) -> None:
         strategy=Strategy(sharding=ShardingConfig(bucket_size_mb=0.02)),
     )
     inputs = torch.randn(32, 64)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], **profiler_options()
+    ) as profiler:
         for _ in range(2):
             optimizer.zero_grad()
             model(inputs).sum().backward()
@@ -127,7 +133,7 @@ def test_real_cpu_trace_of_overlap_mode(tmp_path: Path) -> None:
     run_ranks(_record_overlap_trace, 2, str(path))
     events = load_chrome_trace(path)
     report = analyze(events, compute="cpu_op")
-    # 4 buckets, 2 steps: one all-to-all (gloo's reduce-scatter) and one all-gather each.
+    # 4 buckets, 2 steps: one point-to-point reduce-scatter and all-gather each.
     assert report.comm_events == {"reduce_scatter": 8, "all_gather": 8}
     assert report.compute_events > 0
     assert report.comm_us > 0
