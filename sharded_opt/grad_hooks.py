@@ -84,7 +84,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from fusion.buffers import FlatBuffers
-from sharded_opt.weak_hooks import InertHook, WeakMethodHook, remove_handles
+from sharded_opt.weak_hooks import CopiesAsInert, WeakMethodHook, remove_handles
 
 _requires_grad = operator.attrgetter("requires_grad")
 
@@ -300,7 +300,7 @@ class GradReadyTracker:
                 self._grad_versions[bucket_index] = self._buffers.grad_buffers[bucket_index]._version
 
 
-class _AccumulateGradHook:
+class _AccumulateGradHook(CopiesAsInert):
     """The post-accumulate-grad hook of one param: records the grad for its tracker, see Note
     [Hook cost]. Refers to the tracker weakly and does nothing once it is gone or once the
     param's data lives elsewhere (another wrapper took it); copies and pickles are
@@ -335,12 +335,3 @@ class _AccumulateGradHook:
             tracker.scan()
         if tracker._start_grad_sync is not None and not tracker.accumulate_only:
             tracker._count(index, bucket_index)
-
-    def __deepcopy__(self, memo: dict) -> InertHook:
-        return InertHook()
-
-    def __copy__(self) -> InertHook:
-        return InertHook()
-
-    def __reduce__(self) -> tuple[type[InertHook], tuple[()]]:
-        return (InertHook, ())

@@ -33,7 +33,23 @@ class InertHook:
         return None
 
 
-class WeakMethodHook:
+class CopiesAsInert:
+    """Mixin of hooks whose copies and pickles are :class:`InertHook` (see Note [Hook lifetimes
+    and copies]): a copied model must not call back into the original's wrapper."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict) -> InertHook:
+        return InertHook()
+
+    def __copy__(self) -> InertHook:
+        return InertHook()
+
+    def __reduce__(self) -> tuple[type[InertHook], tuple[()]]:
+        return (InertHook, ())
+
+
+class WeakMethodHook(CopiesAsInert):
     """Call ``method(*bound_args, *hook_args)`` while ``method``'s object is alive; afterwards do
     nothing. Copies and pickles are :class:`InertHook` (see Note [Hook lifetimes and copies])."""
 
@@ -48,15 +64,6 @@ class WeakMethodHook:
         if method is None:
             return None
         return method(*self._bound_args, *hook_args)
-
-    def __deepcopy__(self, memo: dict) -> InertHook:
-        return InertHook()
-
-    def __copy__(self) -> InertHook:
-        return InertHook()
-
-    def __reduce__(self) -> tuple[type[InertHook], tuple[()]]:
-        return (InertHook, ())
 
 
 def remove_handles(handles: list[RemovableHandle]) -> None:
