@@ -88,6 +88,7 @@ class BucketCommunicator:
         sharded: bool,
         precisions: list[BucketPrecision],
         replicate_group: ProcessGroup | None = None,
+        point_to_point: bool = False,
     ) -> None:
         self.buffers = buffers
         self.group = group
@@ -95,6 +96,9 @@ class BucketCommunicator:
         self.world_size = world_size
         self.sharded = sharded and world_size > 1
         self.precisions = precisions
+        self.point_to_point = point_to_point
+        """``ShardingConfig.gloo_point_to_point``, see Note [Reduce-scatter on gloo] in
+        ``collectives``."""
         self.replicate_group = replicate_group if self.sharded else None
         """Ranks holding the same shard (hybrid sharding), see Note [Hybrid sharding] in
         ``hybrid_groups``; None without replicas."""
@@ -153,7 +157,9 @@ class BucketCommunicator:
         with on_stream(self.stream):
             if self.sharded:
                 if grad_buffer.dtype == reduced.dtype:
-                    work = collectives.reduce_scatter_avg(reduced, grad_buffer, self.group, async_op=True)
+                    work = collectives.reduce_scatter_avg(
+                        reduced, grad_buffer, self.group, async_op=True, point_to_point=self.point_to_point
+                    )
                 else:
                     work = self._reduce_scatter_cast(reduced, grad_buffer)
                 if self.replicate_group is not None:
@@ -209,6 +215,7 @@ class BucketCommunicator:
                     self._shard(bucket_index).param_view,
                     self.group,
                     async_op=True,
+                    point_to_point=self.point_to_point,
                 )
 
     def finish_param_sync(self, bucket_indices: Iterable[int] | None = None) -> None:
@@ -255,7 +262,9 @@ class BucketCommunicator:
         """Cast the grads into a staging buffer and reduce-scatter that; on the comm stream."""
         slot, staging = self._staging.acquire(grad_buffer.numel(), reduced.dtype)
         staging.copy_(grad_buffer)
-        work = collectives.reduce_scatter_avg(reduced, staging, self.group, async_op=True)
+        work = collectives.reduce_scatter_avg(
+            reduced, staging, self.group, async_op=True, point_to_point=self.point_to_point
+        )
         self._staging.read_by(slot, work)
         return work
 

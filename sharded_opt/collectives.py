@@ -5,10 +5,10 @@ Note [Reduce-scatter on gloo]
     full all-reduce that keeps a slice (DDP's bytes for half the result), its all-gather costs
     ~1.5x the limit on a shaped link and ``all_to_all_single`` 2x (its two directions do not
     overlap there), while ``isend``/``irecv`` pairs posted together run both directions at once
-    and sit at the limit (/work/shared/MACHINE_NOTES.md, gloo table). So on gloo with CPU tensors
-    both collectives run over point-to-point, every message posted at once (the pairwise
-    exchange: at step k a rank sends to rank + k and receives from rank - k, for every k at
-    the same time):
+    and sit at the limit (/work/shared/MACHINE_NOTES.md, gloo table). With
+    ``ShardingConfig.gloo_point_to_point`` both collectives of CPU tensors on gloo run over
+    point-to-point instead, every message posted at once (the pairwise exchange: at step k a
+    rank sends to rank + k and receives from rank - k, for every k at the same time):
 
     * reduce-scatter: rank r sends its slice p of the bucket to every peer p and receives slice
       r of every peer into a per-call buffer of the bucket's shape (its own slice copied in),
@@ -48,6 +48,15 @@ Note [Reduce-scatter on gloo]
     rank (ZeRO-1's optimizer state is 12/N). A per-call buffer lives only while its bucket is in
     flight.
 
+    Why it is not the default: gloo posts a message from the calling thread and, on loopback,
+    copies it there (``gloo:send``/``gloo:recv`` take 0.6-0.9 ms each on the training thread in
+    a profile of the default GPT, ~20 ms per backward and ~18 ms per step for 13 buckets), where
+    its collectives do that work on their own worker threads. Measured side by side on an idle
+    machine (``python -m benchmarks.compare --modes ddp,sync,overlap --rounds 6 --steady-rounds
+    3 --no-memory``, two runs each, alternated): overlap/DDP 1.072 and 1.093 with the
+    collectives, 1.217 and 1.215 with point-to-point. On one machine the collectives win; over a
+    slow link between machines point-to-point does.
+
     gloo with accelerator tensors (two ranks on one GPU in benchmarks/gpu_check.py) keeps the
     all-to-all plus local sum and gloo's all-gather: gloo's send and recv hand the tensor's data
     pointer to its transport without staging through the host as its collectives do (not tried
@@ -75,14 +84,16 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def reduce_scatter_avg(
-    output: Tensor, input: Tensor, group: ProcessGroup, async_op: bool
+    output: Tensor, input: Tensor, group: ProcessGroup, async_op: bool, point_to_point: bool = False
 ) -> Work | Future | None:
     """Average ``input`` over the group; rank r receives the r-th equal slice in ``output``.
 
     With ``async_op``, returns a handle whose ``wait()`` makes ``output`` final.
+    ``point_to_point`` selects the point-to-point path for CPU tensors on gloo (Note
+    [Reduce-scatter on gloo]).
     """
     if backend_for_device(group, input.device.type) == "gloo":
-        if input.device.type == "cpu":
+        if point_to_point and input.device.type == "cpu":
             return _reduce_scatter_by_p2p(output, input, group, async_op)
         return _reduce_scatter_by_all_to_all(output, input, group, async_op)
     return _reduce_scatter(output, input, op=ReduceOp.AVG, group=group, async_op=async_op)
@@ -126,13 +137,16 @@ def all_reduce_avg(tensor: Tensor, group: ProcessGroup, async_op: bool) -> Work 
     return dist.all_reduce(tensor, op=ReduceOp.AVG, group=group, async_op=async_op)
 
 
-def all_gather(output: Tensor, input: Tensor, group: ProcessGroup, async_op: bool) -> Work | Future | None:
+def all_gather(
+    output: Tensor, input: Tensor, group: ProcessGroup, async_op: bool, point_to_point: bool = False
+) -> Work | Future | None:
     """Concatenate every rank's ``input`` into ``output``; ``input`` may be a view of ``output``
     at this rank's slice (an in-place all-gather, as FSDP2 uses).
 
     With ``async_op``, returns a handle whose ``wait()`` makes ``output`` final.
+    ``point_to_point`` as for :func:`reduce_scatter_avg`.
     """
-    if input.device.type == "cpu" and backend_for_device(group, "cpu") == "gloo":
+    if point_to_point and input.device.type == "cpu" and backend_for_device(group, "cpu") == "gloo":
         works = _all_gather_by_p2p(output, input, group)
         if async_op:
             return _in_background(works, _nothing, "gloo:all_gather (point-to-point)")

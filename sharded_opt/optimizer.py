@@ -172,6 +172,7 @@ class ShardingStage1(torch.optim.Optimizer):
                 True,
                 precisions,
                 replicate_group=groups.replicate,
+                point_to_point=config.gloo_point_to_point,
             )
         else:
             self._comm = BucketCommunicator(self._buffers, group, rank, world_size, False, precisions)

@@ -57,6 +57,15 @@ class ShardingConfig:
     """Dtype of the copy of the local shard that the optimizer steps, e.g. ``torch.float32``
     for bf16 params. None: step the params' own dtype, no copy."""
 
+    gloo_point_to_point: bool = False
+    """On gloo with CPU tensors, run each bucket's reduce-scatter and all-gather as point-to-point
+    messages posted at once instead of gloo's all-to-all and all-gather. Over a real network link
+    they reach the wire limit where gloo's collectives do not (comm-bound preset: overlap/DDP
+    1.198 -> 1.104), but the messages are posted from the training thread, which costs compute
+    time on one machine's loopback (default GPT, 2 ranks: overlap/DDP 1.07-1.09 -> 1.22). Turn
+    on for CPU training across machines over a slow link. See Note [Reduce-scatter on gloo] in
+    ``sharded_opt/collectives.py``."""
+
     broadcast_buffers: bool = True
     """DDP's option of the same name: with a model attached, copy every buffer (BatchNorm's
     running statistics, ...) from the group's first rank before each forward with grad enabled,
@@ -94,7 +103,7 @@ class Strategy:
 
 
 def _check_field(name: str, value: Any) -> None:
-    if name in ("enable", "enable_overlap", "broadcast_buffers"):
+    if name in ("enable", "enable_overlap", "broadcast_buffers", "gloo_point_to_point"):
         if not isinstance(value, bool):
             raise ValueError(
                 f"Strategy.sharding.{name} expects a bool but got {value!r} ({type(value).__name__})"

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.gloo_p2p import probe_rank
-from sharded_opt import collectives
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
 from tests.dist_helper import run_ranks
 
 SHARD_NUMELS = (5, 1, 37, 64)
@@ -52,10 +52,10 @@ def _reduce_scatter_checks(group: dist.ProcessGroup) -> dict[str, bool]:
     expected = [_reference_average(seed, rank, world_size, numel, dtype) for seed, numel, dtype in cases]
     sync_out = [torch.empty(numel // world_size, dtype=dtype) for _, numel, dtype in cases]
     for output, input in zip(sync_out, inputs, strict=True):
-        collectives.reduce_scatter_avg(output, input, group, async_op=False)
+        collectives.reduce_scatter_avg(output, input, group, async_op=False, point_to_point=True)
     in_flight = [torch.empty_like(output) for output in sync_out]
     handles = [
-        collectives.reduce_scatter_avg(output, input, group, async_op=True)
+        collectives.reduce_scatter_avg(output, input, group, async_op=True, point_to_point=True)
         for output, input in zip(in_flight, inputs, strict=True)
     ]
     for handle in reversed(handles):
@@ -87,16 +87,18 @@ def _all_gather_checks(group: dist.ProcessGroup) -> dict[str, bool]:
     handles = []
     for (seed, numel, dtype), output, in_place_output in zip(cases, out_of_place, in_place, strict=True):
         own = _bucket(seed, rank, numel, dtype)[: numel // world_size]
-        handles.append(collectives.all_gather(output, own.clone(), group, async_op=True))
+        handles.append(collectives.all_gather(output, own.clone(), group, async_op=True, point_to_point=True))
         slot = in_place_output.view(world_size, -1)[rank]
         slot.copy_(own)
-        handles.append(collectives.all_gather(in_place_output, slot, group, async_op=True))
+        handles.append(
+            collectives.all_gather(in_place_output, slot, group, async_op=True, point_to_point=True)
+        )
     for handle in reversed(handles):
         handle.wait()
     sync_out = [torch.empty_like(output) for output in out_of_place]
     for (seed, numel, dtype), output in zip(cases, sync_out, strict=True):
         own = _bucket(seed, rank, numel, dtype)[: numel // world_size]
-        collectives.all_gather(output, own, group, async_op=False)
+        collectives.all_gather(output, own, group, async_op=False, point_to_point=True)
     return {
         "out_of_place_equals_reference": all(map(torch.equal, out_of_place, expected)),
         "in_place_equals_reference": all(map(torch.equal, in_place, expected)),
@@ -114,16 +116,63 @@ def _without_gloo_collectives(group: dist.ProcessGroup) -> bool:
     with no_all_to_all, mock.patch.object(collectives, "_all_gather", refuse):
         world_size = group.size()
         output = torch.empty(2)
-        collectives.reduce_scatter_avg(output, torch.ones(2 * world_size), group, async_op=False)
+        collectives.reduce_scatter_avg(
+            output, torch.ones(2 * world_size), group, async_op=False, point_to_point=True
+        )
+        gathered = torch.empty(world_size)
+        collectives.all_gather(gathered, torch.ones(1), group, async_op=True, point_to_point=True).wait()
+    return torch.equal(output, torch.ones(2)) and torch.equal(gathered, torch.ones(world_size))
+
+
+def _without_point_to_point(group: dist.ProcessGroup) -> bool:
+    """By default (no ``point_to_point``) both collectives use gloo's own, never isend/irecv."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a point-to-point message was posted by default")
+
+    with mock.patch.object(dist, "isend", refuse), mock.patch.object(dist, "irecv", refuse):
+        world_size = group.size()
+        output = torch.empty(2)
+        collectives.reduce_scatter_avg(output, torch.ones(2 * world_size), group, async_op=True).wait()
         gathered = torch.empty(world_size)
         collectives.all_gather(gathered, torch.ones(1), group, async_op=True).wait()
     return torch.equal(output, torch.ones(2)) and torch.equal(gathered, torch.ones(world_size))
+
+
+def _training_with_point_to_point(group: dist.ProcessGroup) -> bool:
+    """``ShardingConfig(gloo_point_to_point=True)`` trains bitwise like the default, in both
+    modes (the sum runs in rank order either way)."""
+    finals = []
+    for point_to_point in (False, True):
+        for overlap in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+            config = ShardingConfig(
+                enable_overlap=overlap, bucket_size_mb=0.0005, gloo_point_to_point=point_to_point
+            )
+            opt = ShardingStage1(
+                torch.optim.AdamW(model.parameters(), lr=0.01),
+                strategy=Strategy(sharding=config),
+                process_group=group,
+                model=model,
+            )
+            torch.manual_seed(1 + group.rank())
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(4, 8)).square().sum().backward()
+                opt.step()
+            opt.sync_params()
+            finals.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+            opt.close()
+    return all(torch.equal(finals[0], final) for final in finals[1:])
 
 
 CHECKS: dict[str, Callable[[dist.ProcessGroup], object]] = {
     "reduce_scatter": _reduce_scatter_checks,
     "all_gather": _all_gather_checks,
     "point_to_point_only": _without_gloo_collectives,
+    "collectives_by_default": _without_point_to_point,
+    "training_with_point_to_point": _training_with_point_to_point,
 }
 
 
@@ -172,6 +221,18 @@ def test_all_gather_in_and_out_of_place_also_with_buckets_in_flight(results, lab
 @pytest.mark.parametrize("label", ["3 ranks", "2 ranks"])
 def test_gloo_cpu_collectives_run_over_point_to_point(results, label) -> None:
     assert _per_rank(results, label, "point_to_point_only") == [True] * (3 if label == "3 ranks" else 2)
+
+
+@pytest.mark.parametrize("label", ["3 ranks", "2 ranks"])
+def test_gloo_cpu_collectives_are_gloos_own_by_default(results, label) -> None:
+    assert _per_rank(results, label, "collectives_by_default") == [True] * (3 if label == "3 ranks" else 2)
+
+
+@pytest.mark.parametrize("label", ["3 ranks", "2 ranks"])
+def test_training_with_point_to_point_is_bitwise_the_default(results, label) -> None:
+    assert _per_rank(results, label, "training_with_point_to_point") == [True] * (
+        3 if label == "3 ranks" else 2
+    )
 
 
 def test_the_benchmark_probe_times_every_variant(results) -> None:

@@ -157,13 +157,13 @@ def test_spawn_devices_choose_the_device_and_init_keeps_it(monkeypatch) -> None:
 
 def _reduce_scatter_path() -> tuple[bool, torch.Tensor]:
     calls = []
-    by_p2p = collectives._reduce_scatter_by_p2p
+    by_all_to_all = collectives._reduce_scatter_by_all_to_all
 
     def spy(*args, **kwargs):
         calls.append(args)
-        return by_p2p(*args, **kwargs)
+        return by_all_to_all(*args, **kwargs)
 
-    collectives._reduce_scatter_by_p2p = spy
+    collectives._reduce_scatter_by_all_to_all = spy
     output = torch.empty(2)
     collectives.reduce_scatter_avg(output, torch.arange(4.0) * (dist.get_rank() + 1), dist.group.WORLD, False)
     return bool(calls), output
