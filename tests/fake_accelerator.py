@@ -82,7 +82,13 @@ class FakeAccelerator:
         return self.current
 
     def collective(self, kind: str):
-        def issue(output: torch.Tensor, input: torch.Tensor, group: object, async_op: bool) -> FakeWork:
+        def issue(
+            output: torch.Tensor,
+            input: torch.Tensor,
+            group: object,
+            async_op: bool,
+            point_to_point: bool = False,
+        ) -> FakeWork:
             self.issued += 1
             name = f"{kind}{self.issued}"
             self.log.append(f"{name} on {self.current.name}")

@@ -31,10 +31,10 @@ def _train_recording_casts(overlap: bool) -> dict:
     casts: list[tuple[int, int]] = []
     original = collectives.reduce_scatter_avg
 
-    def recording(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    def recording(output: torch.Tensor, input: torch.Tensor, group, async_op: bool, point_to_point: bool):
         if input.dtype == torch.float32:  # a cast of bf16 grads, not a grad buffer
             casts.append((input.untyped_storage().data_ptr(), input.numel() * input.element_size()))
-        return original(output, input, group, async_op)
+        return original(output, input, group, async_op, point_to_point)
 
     collectives.reduce_scatter_avg = recording
     try:

@@ -214,7 +214,7 @@ class _LandsOnWait:
         return True
 
 
-def _late_all_gather(output, input, group, async_op):
+def _late_all_gather(output, input, group, async_op, point_to_point=False):
     staging = torch.empty_like(output)
     work = collectives._all_gather(staging, input.clone(), group=group, async_op=True)
     return _LandsOnWait(work, staging, output)
