@@ -803,6 +803,12 @@ def _resolve_config(strategy: Strategy | None, overlap: bool | None):
     config = dataclasses.replace(strategy.sharding)
     if overlap is not None:
         config.enable_overlap = overlap
+    if not config.enable and config.degree is not None:
+        raise ValueError(
+            f"ShardingStage1 got Strategy().sharding.degree={config.degree} with enable=False: without "
+            "sharding every rank holds all state and there are no shard groups to size. Set "
+            "enable=True for hybrid sharding, or degree=None for plain data parallel"
+        )
     return config
 
 

@@ -236,6 +236,13 @@ def test_degree_must_be_a_positive_int() -> None:
             ShardingConfig(degree=bad)
 
 
+def test_degree_without_sharding_is_refused() -> None:
+    model = torch.nn.Linear(2, 2)
+    strategy = Strategy(sharding=ShardingConfig(enable=False, degree=2))
+    with pytest.raises(ValueError, match=r"degree=2 with enable=False.*enable=True.*degree=None"):
+        ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), strategy=strategy)
+
+
 def _wrap_for_checkpoint(model, layout: str, overlap: bool) -> ShardingStage1:
     strategy = Strategy(sharding=ShardingConfig(degree=LAYOUTS[layout]))
     return ShardingStage1(
