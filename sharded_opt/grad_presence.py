@@ -66,16 +66,16 @@ class GradPresence:
         self._pending: dict[int, tuple[_SharedFlags, int]] = {}
         """Per bucket whose flags were shared this iteration: the all-reduce and its offset."""
 
-    def start(self, bucket_indices: Sequence[int], local: bytearray) -> None:
-        """Share the flags of ``bucket_indices``' params (``local`` holds one byte per param)
-        in one asynchronous all-reduce; every rank must pass the same buckets in the same order."""
-        indices = [slot.param_index for b in bucket_indices for slot in self._buckets[b].slots]
-        flags = torch.tensor([local[i] for i in indices], dtype=torch.uint8)
+    def start(self, bucket_indices: Sequence[int], flags: list[int]) -> None:
+        """Share ``flags``, one per slot of ``bucket_indices``' buckets in that order (1: the
+        slot's param got a grad on this rank), in one asynchronous all-reduce; every rank must
+        pass the same buckets in the same order."""
+        shared_flags = torch.tensor(flags, dtype=torch.uint8)
         work = None
         if self._world_size > 1:
-            flags = flags.to(self._device)
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        shared = _SharedFlags(flags, work)
+            shared_flags = shared_flags.to(self._device)
+            work = dist.all_reduce(shared_flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        shared = _SharedFlags(shared_flags, work)
         offset = 0
         for bucket_index in bucket_indices:
             self._pending[bucket_index] = (shared, offset)

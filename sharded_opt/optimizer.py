@@ -705,11 +705,14 @@ class ShardingStage1(torch.optim.Optimizer):
     def _share_presence(self, bucket_indices: list[int]) -> None:
         received = self._grad_tracker.received
         params = self._buffers.params
+        local = self._local_presence
+        flags = []
         for bucket_index in bucket_indices:
             for slot in self.plan.buckets[bucket_index].slots:
                 index = slot.param_index
-                self._local_presence[index] = received[index] and params[index].grad is not None
-        self._presence.start(bucket_indices, self._local_presence)
+                local[index] = received[index] and params[index].grad is not None
+                flags.append(local[index])
+        self._presence.start(bucket_indices, flags)
 
     @functools.cached_property
     def _flag_device(self) -> torch.device:
