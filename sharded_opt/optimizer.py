@@ -56,7 +56,7 @@ from sharded_opt import state_dict as state_dict_conversion
 from sharded_opt.bucket_comm import BucketCommunicator
 from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.grad_hooks import GradReadyTracker
-from sharded_opt.grad_presence import GradPresence
+from sharded_opt.grad_presence import GradPresence, presence_group
 from sharded_opt.hybrid_groups import resolve_shard_groups
 from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, hyperparameters
 from sharded_opt.local_shard import resolve_precision
@@ -192,7 +192,9 @@ class ShardingStage1(torch.optim.Optimizer):
             self._start_unlaunched_presence if self.overlap else None,
             self._comm.note_grad_stream if self.overlap and self._comm.stream is not None else None,
         )
-        self._presence = GradPresence(self.plan.buckets, group, world_size, self._flag_device)
+        self._presence = GradPresence(
+            self.plan.buckets, presence_group(groups, self._flag_device), world_size, self._flag_device
+        )
         self._local_presence = bytearray(len(params))
         # See Note [Step pipeline]: torch's own classes keep all state per param, so stepping
         # them bucket by bucket is exact; another class may keep state per step() call.

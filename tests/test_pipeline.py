@@ -94,6 +94,37 @@ def _event_order(overlap: bool) -> tuple[int, list]:
     return len(opt.plan.buckets), events
 
 
+def _flag_groups() -> dict[str, object]:
+    """Which groups carry a backward's presence flags and its bucket reductions, as recorded from
+    ``torch.distributed``'s calls."""
+    model = _Net(torch.float32)
+    opt = _wrap(model, overlap=True, bf16=False)
+    used: dict[str, set[str]] = {"all_reduce": set(), "reduction": set()}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single")}
+
+    def recorder(name: str):
+        def call(*args, **kwargs):
+            kind = "all_reduce" if name == "all_reduce" else "reduction"
+            used[kind].add(kwargs["group"].group_name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in originals:
+        setattr(dist, name, recorder(name))
+    try:
+        model(_batch(0, torch.float32), use_middle=True).square().mean().backward()
+        opt.step()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {
+        "flag_groups": used["all_reduce"],
+        "reduction_groups": used["reduction"],
+        "flag_group_ranks": dist.get_process_group_ranks(opt._presence._group),
+    }
+
+
 def _train(overlap: bool, per_bucket: bool, clip: bool, bf16: bool) -> list[torch.Tensor]:
     dtype = torch.bfloat16 if bf16 else torch.float32
     model = _Net(dtype)
@@ -134,6 +165,7 @@ def on_two_ranks() -> dict[str, list]:
     jobs: list[tuple[str, object, tuple]] = [
         ("events-sync", _event_order, (False,)),
         ("events-overlap", _event_order, (True,)),
+        ("flag-groups", _flag_groups, ()),
     ]
     jobs += [(name, _train, args) for name, args in TRAIN_CASES.items()]
     per_rank = run_ranks(_run_jobs, 2, jobs)
@@ -161,6 +193,17 @@ def test_all_gathers_start_after_their_own_step_in_forward_order(on_two_ranks, m
             stepped_at = events.index(("step", (bucket,)))
             gathered_at = next(i for i, (kind, b) in enumerate(events) if kind == "gather" and bucket in b)
             assert stepped_at < gathered_at
+
+
+def test_presence_flags_travel_on_a_group_of_their_own_on_gloo(on_two_ranks) -> None:
+    """On gloo a flag all-reduce on the reductions' group would hold one of its two worker
+    threads until the previous bucket's bytes had passed, keeping a single reduction on the wire
+    (Note [Presence per bucket]); the flags use a group of the same ranks of their own."""
+    for recorded in on_two_ranks["flag-groups"]:
+        assert len(recorded["reduction_groups"]) == 1
+        assert len(recorded["flag_groups"]) == 1
+        assert recorded["flag_groups"].isdisjoint(recorded["reduction_groups"])
+        assert recorded["flag_group_ranks"] == [0, 1]
 
 
 @pytest.mark.parametrize("clip", ["noclip", "clip"])
