@@ -45,18 +45,19 @@ def presence_group(groups: ShardGroups, flag_device: torch.device) -> ProcessGro
 
 @dataclass(eq=False, slots=True)
 class _SharedFlags:
-    """One all-reduce of the flags of one or more buckets' params, in slot order."""
+    """One all-reduce of the flags of one or more buckets' params, in slot order (none on a
+    single rank: ``agreed`` is then the flags themselves)."""
 
-    flags: Tensor
+    flags: Tensor | None
     work: Work | None
     agreed: list[int] | None = None
 
     def values(self) -> list[int]:
-        if self.agreed is None:
+        if self.agreed is None and self.flags is not None:
             if self.work is not None:
                 self.work.wait()
             self.agreed = self.flags.tolist()
-        return self.agreed
+        return self.agreed if self.agreed is not None else []
 
 
 class GradPresence:
@@ -83,12 +84,12 @@ class GradPresence:
         """Share ``flags``, one per slot of ``bucket_indices``' buckets in that order (1: the
         slot's param got a grad on this rank), in one asynchronous all-reduce; every rank must
         pass the same buckets in the same order."""
-        shared_flags = torch.tensor(flags, dtype=torch.uint8)
-        work = None
-        if self._world_size > 1:
-            shared_flags = shared_flags.to(self._device)
+        if self._world_size == 1:
+            shared = _SharedFlags(None, None, flags)
+        else:
+            shared_flags = torch.tensor(flags, dtype=torch.uint8, device=self._device)
             work = dist.all_reduce(shared_flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        shared = _SharedFlags(shared_flags, work)
+            shared = _SharedFlags(shared_flags, work)
         offset = 0
         for bucket_index in bucket_indices:
             self._pending[bucket_index] = (shared, offset)
