@@ -122,6 +122,8 @@ def parse_args(argv: list[str] | None) -> Plan:
     parser.add_argument("--emulate-link", type=parse_link, default=None, metavar="GBPS[,LATENCY_MS]")
     parser.add_argument("--degree", type=int, default=None,
                         help="add the hybrid mode: ranks per shard group (and per node)")  # fmt: skip
+    parser.add_argument("--gloo-p2p", action="store_true",
+                        help="ShardingConfig(gloo_point_to_point=True) for the wrapper's modes")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("out/compare"))
     args = parser.parse_args(argv)
     preset = PRESETS_BY_NAME[args.preset]
@@ -156,6 +158,7 @@ def parse_args(argv: list[str] | None) -> Plan:
         degree=args.degree,
         threads=args.threads,
         seed=args.seed,
+        gloo_point_to_point=args.gloo_p2p,
     )
     return Plan(base, args.world_sizes, args.bucket_mb, args.out, memory, link)
 
@@ -203,7 +206,8 @@ def run_once(config: RunConfig, world_size: int, memory: bool) -> dict:
 def _print_run(run: dict, config: RunConfig) -> None:
     print(f"\n== {run['world_size']} rank(s), {config.model} GPT ({run['num_params'] / 1e6:.2f}M params), "
           f"{config.micro_batch}x{config.seq_len} tokens/rank, {bucket_label(run['bucket_mb'])} MiB buckets "
-          f"({len(run['buckets_padded_numel'])} buckets) ==")  # fmt: skip
+          f"({len(run['buckets_padded_numel'])} buckets"
+          f"{', gloo point-to-point' if config.gloo_point_to_point else ''}) ==")  # fmt: skip
     print(report.mode_table(run))
     if "link_bytes_per_step" in run:
         print("bytes across the emulated link per step (both directions, steady blocks, median):")

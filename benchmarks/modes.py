@@ -72,6 +72,8 @@ class ModeSpec:
     group: ProcessGroup
     degree: int | None = None
     """Ranks per shard group of the ``hybrid`` mode."""
+    gloo_point_to_point: bool = False
+    """``ShardingConfig.gloo_point_to_point`` for the wrapper's modes (``--gloo-p2p``)."""
 
 
 class Runner:
@@ -190,7 +192,12 @@ def _build_sharded(overlap: bool, hybrid: bool = False) -> Callable[[nn.Module, 
         if hybrid and spec.degree is None:
             raise ValueError("the hybrid mode needs --degree (ranks per shard group)")
         degree = spec.degree if hybrid else None
-        config = ShardingConfig(enable=True, bucket_size_mb=spec.bucket_mb, degree=degree)
+        config = ShardingConfig(
+            enable=True,
+            bucket_size_mb=spec.bucket_mb,
+            degree=degree,
+            gloo_point_to_point=spec.gloo_point_to_point,
+        )
         strategy = Strategy(sharding=config)
         optimizer = ShardingStage1(
             torch.optim.AdamW(model.parameters(), **spec.adamw.kwargs()),

@@ -61,6 +61,8 @@ class RunConfig:
     adamw: AdamWConfig = AdamWConfig()
     degree: int | None = None
     """Ranks per shard group of the ``hybrid`` mode (``--degree``)."""
+    gloo_point_to_point: bool = False
+    """The wrapper's reductions and all-gathers over gloo point-to-point messages (``--gloo-p2p``)."""
 
     @property
     def total_steps(self) -> int:
@@ -143,7 +145,16 @@ def _mode_spec(config: RunConfig, group: ProcessGroup) -> ModeSpec:
         device = torch.device(accelerator.type, torch.accelerator.current_device_index())
     else:
         device = torch.device("cpu")
-    return ModeSpec(config.model, config.seed, config.bucket_mb, config.adamw, device, group, config.degree)
+    return ModeSpec(
+        config.model,
+        config.seed,
+        config.bucket_mb,
+        config.adamw,
+        device,
+        group,
+        config.degree,
+        config.gloo_point_to_point,
+    )
 
 
 def _batches(config: RunConfig, rank: int, world_size: int, device: torch.device) -> list:
