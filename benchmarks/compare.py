@@ -114,6 +114,8 @@ def parse_args(argv: list[str] | None) -> Plan:
     parser.add_argument("--steady-steps", type=int, default=None,
                         help=f"steps per long block (default {defaults.steady_steps})")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="save one Chrome trace per mode into --out")
+    parser.add_argument("--profile-steps", type=int, default=defaults.profile_steps,
+                        help="steps per --profile trace (3: the steady state)")  # fmt: skip
     parser.add_argument("--modes", type=_mode_list, default=MODES, help="subset of " + ",".join(MODES))
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads per rank")
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -136,6 +138,8 @@ def parse_args(argv: list[str] | None) -> Plan:
         parser.error(f"--seq-len is at most {PRESETS[args.model].seq_len} for the {args.model} preset")
     if rounds < 2 or steady_rounds < 2:
         parser.error("--rounds and --steady-rounds must be at least 2 to report a spread")
+    if args.profile_steps < 1:
+        parser.error("--profile-steps must be at least 1")
     if steady_steps < 1:
         parser.error("--steady-steps must be at least 1")
     if args.degree is not None and (args.degree < 1 or any(ws % args.degree for ws in args.world_sizes)):
@@ -154,6 +158,7 @@ def parse_args(argv: list[str] | None) -> Plan:
         steady_rounds=steady_rounds,
         steady_steps=steady_steps,
         profile_dir=str(args.out) if args.profile else None,
+        profile_steps=args.profile_steps,
         modes=modes,
         degree=args.degree,
         threads=args.threads,

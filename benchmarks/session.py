@@ -56,7 +56,10 @@ class RunConfig:
     comm_only: bool = True
     trace_path: str | None = None
     profile_dir: str | None = None
-    """Write one Chrome trace of one step per mode here (rank 0), see ``--profile``."""
+    """Write one Chrome trace per mode here (rank 0), see ``--profile``."""
+    profile_steps: int = 1
+    """Steps in each ``--profile`` trace; more than one shows the steady state, where each
+    step's all-gathers overlap the next forward."""
     link: LinkConfig | None = None
     adamw: AdamWConfig = AdamWConfig()
     degree: int | None = None
@@ -110,11 +113,11 @@ def compare_rank(config: RunConfig) -> dict:
         # This node's share of the bytes that crossed the emulated link, per step (steady blocks).
         result["link_tx_bytes_per_step"] = {n: statistics.median(v) for n, v in link_bytes.items() if v}
     if config.trace_path is not None and "overlap" in runners:
-        result["timeline"] = _trace_overlap_step(runners["overlap"], batches[-1], config.trace_path, rank)
+        result["timeline"] = _trace_overlap_step(runners["overlap"], batches[-1:], config.trace_path, rank)
     if config.profile_dir is not None:
         for name, runner in runners.items():
             path = f"{config.profile_dir}/trace_{name}_ws{world_size}.json"
-            _trace_overlap_step(runner, batches[-1], path, rank)
+            _trace_overlap_step(runner, batches[-config.profile_steps :], path, rank)
     return result
 
 
@@ -223,14 +226,16 @@ def _bucket_sizes(runners: dict[str, Runner]) -> list[int]:
     return []
 
 
-def _trace_overlap_step(runner: Runner, batch: tuple, trace_path: str, rank: int) -> list[dict]:
-    """Profile one step of ``runner`` (every rank must step; rank 0 writes the Chrome trace)
-    and return its forward/backward/step ranges and collective launches for the timeline plot."""
+def _trace_overlap_step(runner: Runner, batches: list, trace_path: str, rank: int) -> list[dict]:
+    """Profile one step of ``runner`` per batch (every rank must step; rank 0 writes the Chrome
+    trace) and return their forward/backward/step ranges and collective launches for the
+    timeline plot."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities, **profiler_options()) as profiler:
-        runner.step(*batch)
+        for batch in batches:
+            runner.step(*batch)
         runner.settle()
     if rank != 0:
         return []

@@ -181,6 +181,61 @@ def analyze(events: Iterable[TraceEvent], compute: ComputeSource) -> OverlapRepo
     )
 
 
+PHASE_NAMES = ("forward", "backward", "optimizer.step")
+"""The ``record_function`` ranges the benchmark labels each training step with."""
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseComm:
+    """What the link did during one phase of a step (or between phases); times in microseconds."""
+
+    name: str
+    """A phase of :data:`PHASE_NAMES`, or ``"between"`` for time outside every phase."""
+    start_us: float
+    dur_us: float
+    reduce_scatter_us: float
+    """Time some reduce-scatter was in flight (union over lanes)."""
+    all_gather_us: float
+    idle_us: float
+    """Time no reduce-scatter or all-gather was in flight."""
+
+
+def phase_comm(events: Sequence[TraceEvent]) -> list[PhaseComm]:
+    """Per phase of the profiled steps, in time order, how long each collective kind was in
+    flight and how long none was: where a comm-bound step leaves the link idle. The phases are the
+    outermost :data:`PHASE_NAMES` ranges; the gaps between them (waits at the end of a block,
+    Python between calls) are reported as ``"between"``."""
+    phases = sorted((e for e in events if e.name in PHASE_NAMES), key=lambda e: e.start_us)
+    windows: list[tuple[str, Interval]] = []
+    for event in phases:
+        if windows and event.start_us < windows[-1][1][1]:
+            continue  # nested in the previous phase
+        if windows and event.start_us > windows[-1][1][1]:
+            windows.append(("between", (windows[-1][1][1], event.start_us)))
+        windows.append((event.name, event.interval))
+    spans: dict[str, list[Interval]] = {"reduce_scatter": [], "all_gather": []}
+    for event in events:
+        kind = comm_kind(event.name)
+        if kind is not None:
+            spans[kind].append(event.interval)
+    rs, ag = union(spans["reduce_scatter"]), union(spans["all_gather"])
+    either = union(rs + ag)
+    result = []
+    for name, window in windows:
+        busy = length(intersection(either, [window]))
+        result.append(
+            PhaseComm(
+                name,
+                window[0],
+                window[1] - window[0],
+                length(intersection(rs, [window])),
+                length(intersection(ag, [window])),
+                (window[1] - window[0]) - busy,
+            )
+        )
+    return result
+
+
 def load_chrome_trace(path: str | Path) -> list[TraceEvent]:
     """The complete events of a trace written by ``torch.profiler``'s ``export_chrome_trace``.
 
@@ -207,3 +262,28 @@ def _to_event(entry: dict) -> TraceEvent:
         lane=lane,
         category=str(entry.get("cat", "")),
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.trace_analysis TRACE.json``: the hidden share of comm and, per
+    phase, the time each collective was in flight and the link idle (CPU traces from
+    ``python -m benchmarks.compare --profile``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.trace_analysis", description=main.__doc__)
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--compute", choices=["cpu_op", "kernel"], default="cpu_op")
+    args = parser.parse_args(argv)
+    events = load_chrome_trace(args.trace)
+    report = analyze(events, args.compute)
+    print(f"comm in flight {report.comm_us / 1e3:.1f} ms, hidden {report.hidden_fraction:.0%}")
+    print(f"{'phase':16} {'start ms':>9} {'ms':>8} {'RS ms':>8} {'AG ms':>8} {'link idle ms':>13}")
+    origin = min((e.start_us for e in events), default=0.0)
+    for phase in phase_comm(events):
+        start, dur = (phase.start_us - origin) / 1e3, phase.dur_us / 1e3
+        rs, ag, idle = phase.reduce_scatter_us / 1e3, phase.all_gather_us / 1e3, phase.idle_us / 1e3
+        print(f"{phase.name:16} {start:9.1f} {dur:8.1f} {rs:8.1f} {ag:8.1f} {idle:13.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,6 +17,7 @@ from benchmarks.trace_analysis import (
     intersection,
     length,
     load_chrome_trace,
+    phase_comm,
     profiler_options,
     union,
 )
@@ -88,6 +89,33 @@ def test_cpu_ops_count_only_on_other_threads() -> None:
     ]
     report = analyze(events, compute="cpu_op")
     assert (report.comm_us, report.hidden_us, report.hidden_fraction) == (10, 5, 0.5)
+
+
+def test_phase_comm_splits_link_time_by_phase() -> None:
+    """Per phase: how long each collective kind was in flight and how long the link was idle;
+    nested phase ranges are ignored and gaps between phases are reported as "between"."""
+    events = [
+        _event("forward", 0, 100, "1/100", "user_annotation"),
+        _event("backward", 100, 100, "1/100", "user_annotation"),
+        _event("forward", 150, 10, "1/100", "user_annotation"),  # checkpoint recompute, nested
+        _event("optimizer.step", 210, 40, "1/100", "user_annotation"),
+        # all-gathers of the previous step land during forward: [0, 60) of its 100 us
+        _event("gloo:all_gather", 0, 40, "1/200"),
+        _event("gloo:all_gather", 30, 30, "1/201"),
+        # reduce-scatters from [130, 230), across the end of backward and the gap into the step
+        _event("gloo:all_to_all", 130, 50, "1/200"),
+        _event("gloo:all_to_all", 170, 60, "1/201"),
+    ]
+    phases = [
+        (p.name, p.start_us, p.dur_us, p.reduce_scatter_us, p.all_gather_us, p.idle_us)
+        for p in phase_comm(events)
+    ]
+    assert phases == [
+        ("forward", 0, 100, 0, 60, 40),
+        ("backward", 100, 100, 70, 0, 30),
+        ("between", 200, 10, 10, 0, 0),
+        ("optimizer.step", 210, 40, 20, 0, 20),
+    ]
 
 
 def test_no_comm_gives_zero_fraction() -> None:
