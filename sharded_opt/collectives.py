@@ -54,8 +54,13 @@ Note [Reduce-scatter on gloo]
     its collectives do that work on their own worker threads. Measured side by side on an idle
     machine (``python -m benchmarks.compare --modes ddp,sync,overlap --rounds 6 --steady-rounds
     3 --no-memory``, two runs each, alternated): overlap/DDP 1.072 and 1.093 with the
-    collectives, 1.217 and 1.215 with point-to-point. On one machine the collectives win; over a
-    slow link between machines point-to-point does.
+    collectives, 1.217 and 1.215 with point-to-point. Over the slow link point-to-point won only
+    while the presence flags shared the reductions' group and kept a single all-to-all on the
+    wire; with the flags on a group of their own (Note [Presence per bucket] in
+    ``grad_presence``) the comm-bound preset (``--preset comm-bound``, 200 Mbit/s, two runs back
+    to back) ran overlap at 769 ms per step with the collectives and 883 ms with point-to-point
+    (``--gloo-p2p``). So the collectives are the default; the option stays for links where a
+    single in-flight collective per direction is the limit.
 
     gloo with accelerator tensors (two ranks on one GPU in benchmarks/gpu_check.py) keeps the
     all-to-all plus local sum and gloo's all-gather: gloo's send and recv hand the tensor's data
