@@ -91,12 +91,15 @@ def test_wrapper_splits_its_communicator_from_a_subgroup() -> None:
         assert torch.equal(a, b)
 
 
-def _communicator_timeout() -> float:
+def _communicator_timeouts() -> list[float]:
+    """The collective timeouts of the wrapper's communicator and of its presence-flag group."""
     generator, _ = _generator_and_discriminator()
     optimizer = ShardingStage1(torch.optim.SGD(generator.parameters(), lr=0.1))
-    backend = optimizer.process_group._get_backend(torch.device("cpu"))
-    return backend.options._timeout.total_seconds()
+    groups = (optimizer.process_group, optimizer._presence._group)
+    return [group._get_backend(torch.device("cpu")).options._timeout.total_seconds() for group in groups]
 
 
-def test_communicator_keeps_the_user_groups_timeout() -> None:
-    assert run_ranks(_communicator_timeout, 2, timeout_s=17.0) == [17.0, 17.0]
+def test_communicators_keep_the_user_groups_timeout() -> None:
+    """Both of the wrapper's groups (its communicator and the presence flags' group, Note
+    [Presence per bucket]) fail a dead peer's collectives after the user's timeout."""
+    assert run_ranks(_communicator_timeouts, 2, timeout_s=17.0) == [[17.0, 17.0], [17.0, 17.0]]
