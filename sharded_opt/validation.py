@@ -109,7 +109,8 @@ def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGr
         not in does not count: ``new_group([0])`` on two ranks would make the names differ);
         otherwise the creation waits and fails after the group's timeout. The
         group lives until the default group is destroyed (at exit, or by
-        ``destroy_process_group()``): one per wrapper, none per step.
+        ``destroy_process_group()``): one per wrapper, none per step (on gloo a second one
+        carries the presence flags, Note [Presence per bucket] in ``grad_presence``).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
