@@ -343,6 +343,23 @@ def ema_loop(loop: Loop) -> dict:
     return {"params": _snapshot(model), "swa": _snapshot(swa.module), "hand": hand, "norms": norms}
 
 
+def compile_later_loop(loop: Loop) -> dict:
+    """Two eager steps, then ``torch.compile(model)``: its first compiled forward traces hooks
+    that cannot wait, while the last eager step's all-gathers are still pending."""
+    model = SmallNet()
+    params = list(model.parameters())
+    opt = loop.wrap(torch.optim.Adam(model.parameters(), lr=1e-2), model)
+    forward = model
+    for step in range(4):
+        if step == 2:
+            forward = torch.compile(model, backend="eager")
+        loop.zero_grad(opt)
+        loop.backward(opt, params, _mse(forward, step))
+        opt.step()
+    loop.sync(opt)
+    return {"params": _snapshot(model)}
+
+
 def _late_gathers(loop_fn: Callable[[Loop], object]) -> dict[str, object]:
     with mock.patch.object(collectives, "all_gather", _late_all_gather):
         return _both(loop_fn)
@@ -437,6 +454,7 @@ def _jobs() -> dict[str, Callable[[], dict]]:
         "finetune": lambda: _both(lm_finetune_loop),
         "gan": lambda: _both(gan_loop),
         "ema": lambda: _late_gathers(ema_loop),
+        "compile_later": lambda: _late_gathers(compile_later_loop),
     }
     for name in SCHEDULERS:
         for before in (False, True):
