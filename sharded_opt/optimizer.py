@@ -475,10 +475,7 @@ class ShardingStage1(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_layout_frozen", False):
-            raise RuntimeError(
-                "ShardingStage1 lays params out once, when it is built; add every param group to "
-                "the torch optimizer first, then wrap it"
-            )
+            raise RuntimeError(f"ShardingStage1 lays params out once, when it is built; {_ADD_GROUPS_FIRST}")
         super().add_param_group(param_group)
 
     def state_dict(self, *, to_rank: int | None = None) -> dict[str, Any] | None:  # type: ignore[override]
@@ -841,8 +838,15 @@ def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: 
     )
 
 
+_ADD_GROUPS_FIRST = (
+    "add every param group to the torch optimizer first, then wrap it. For gradual unfreezing, "
+    "give the frozen params their group (and lr) before wrapping and unfreeze them later with "
+    "requires_grad_(True): frozen params cost no grad memory and no communication until then"
+)
+
+
 def _refuse_wrapped_add_param_group(optimizer_class: type, param_group: dict[str, Any]) -> None:
     raise RuntimeError(
         f"this {optimizer_class.__name__} is wrapped by ShardingStage1, which laid its params out "
-        "when it was built; add every param group to the torch optimizer first, then wrap it"
+        f"when it was built; {_ADD_GROUPS_FIRST}"
     )

@@ -202,7 +202,7 @@ _METADATA_METHODS = (
 _METADATA_FUNCTIONS = frozenset(
     [getattr(torch.Tensor, name).__get__ for name in _METADATA_GETTERS]
     + [getattr(torch.Tensor, name) for name in _METADATA_METHODS]
-    + [torch.Tensor.grad.__set__]
+    + [torch.Tensor.grad.__set__, torch.Tensor.requires_grad.__set__]
 )
 """Torch functions that read or set a param's metadata, never its values: ``zero_grad()``,
 freezing, or a grad hook right after ``step()`` need not wait for the all-gathers."""
@@ -251,12 +251,13 @@ class _ReadGuard(TorchFunctionMode):
             if isinstance(value, (list, tuple)):
                 if self._touches_params(value):
                     return True
-            elif (
-                isinstance(value, torch.Tensor)
-                and value.layout == torch.strided
-                and value.untyped_storage().data_ptr() in self._storages
-            ):
-                return True
+            elif isinstance(value, torch.Tensor) and value.layout == torch.strided:
+                try:
+                    storage = value.untyped_storage().data_ptr()
+                except NotImplementedError:  # a wrapper without storage (torch.func.vmap's)
+                    continue
+                if storage in self._storages:
+                    return True
         return False
 
 

@@ -220,14 +220,19 @@ def nanogpt_loop(loop: Loop, checkpointing: str | None = None, accumulate: int =
 
 
 def lm_finetune_loop(loop: Loop) -> dict:
-    """Fine-tuning: the backbone frozen after wrapping, unfrozen block by block (gradual
-    unfreezing), dropout on, and ``zero_grad(set_to_none=False)`` as older scripts call it."""
+    """Fine-tuning: the blocks frozen before wrapping, in a group of their own with a lower lr,
+    the embeddings frozen after wrapping; blocks unfrozen one by one (gradual unfreezing),
+    dropout on, and ``zero_grad(set_to_none=False)`` as older scripts call it."""
     torch.manual_seed(0)
     model = TinyCausalLM()
     params = list(model.parameters())
-    opt = loop.wrap(torch.optim.Adam(model.parameters(), lr=1e-2), model)
-    model.requires_grad_(False)
-    model.ln_f.requires_grad_(True)
+    model.blocks.requires_grad_(False)
+    backbone = list(model.blocks.parameters())
+    rest = [p for p in params if all(p is not q for q in backbone)]
+    groups = [{"params": backbone, "lr": 1e-3}, {"params": rest}]
+    opt = loop.wrap(torch.optim.Adam(groups, lr=1e-2), model)
+    model.wte.requires_grad_(False)
+    model.wpe.requires_grad_(False)
     for step in range(5):
         if step == 2:
             model.blocks[1].requires_grad_(True)
@@ -320,7 +325,8 @@ def _mse(model: nn.Module, step: int) -> Callable[[int], torch.Tensor]:
 
 def ema_loop(loop: Loop) -> dict:
     """What users do right after ``step()``, without ``opt.sync_params()``: update an
-    ``AveragedModel`` EMA and a hand-written one, log weight norms. Run with all-gathers that
+    ``AveragedModel`` EMA and a hand-written one, log weight norms and per-sample input norms
+    (``torch.func.vmap``). Run with all-gathers that
     land only when waited for, so a read that does not wait sees last step's weights."""
     model = SmallNet()
     params = list(model.parameters())
@@ -334,6 +340,8 @@ def ema_loop(loop: Loop) -> dict:
         loop.zero_grad(opt)
         loop.backward(opt, params, _mse(model, step))
         opt.step()
+        inputs = _xy(step, 0)[0]
+        norms.append(torch.func.vmap(torch.linalg.vector_norm)(inputs))  # per-sample, via functorch
         norms.append(torch.stack([p.detach().norm() for p in params]))
         with torch.no_grad():
             for average, p in zip(hand, params, strict=True):
@@ -491,3 +499,10 @@ def test_user_loop_matches_plain_torch(outcomes, name: str) -> None:
             torch.testing.assert_close(
                 result[mode], result["plain"], **FP32_TOLERANCE, msg=lambda m, where=where: f"{where}: {m}"
             )
+
+
+def test_add_param_group_for_gradual_unfreezing_names_the_way(single_rank_group) -> None:
+    model = SmallNet()
+    opt = ShardingStage1(torch.optim.AdamW(model.last.parameters()))
+    with pytest.raises(RuntimeError, match=r"gradual unfreezing.*before wrapping.*requires_grad_\(True\)"):
+        opt.add_param_group({"params": list(model.first.parameters()), "lr": 1e-4})
