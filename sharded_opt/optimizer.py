@@ -191,6 +191,7 @@ class ShardingStage1(torch.optim.Optimizer):
             self._start_bucket_sync if self.overlap else None,
             self._start_unlaunched_presence if self.overlap else None,
             self._comm.note_grad_stream if self.overlap and self._comm.stream is not None else None,
+            self._restart_grad_sync if self.overlap and (self._comm.sharded or world_size == 1) else None,
         )
         self._presence = GradPresence(
             self.plan.buckets, presence_group(groups, self._flag_device), world_size, self._flag_device
@@ -689,6 +690,19 @@ class ShardingStage1(torch.optim.Optimizer):
                 "to None after backward, when they were already being reduced. Zero grads before "
                 "backward (opt.zero_grad() or model.zero_grad()), not between backward and step()"
             )
+
+    def _restart_grad_sync(self) -> None:
+        """Wait for this iteration's reductions and forget them (a second backward before
+        ``step()``, see Note [A second backward] in ``grad_hooks``)."""
+        if self._grads_reduced:
+            raise RuntimeError(
+                "ShardingStage1(overlap=True): a backward ran after opt.clip_grad_norm_ (or "
+                "ShardedGradScaler.unscale_) and before step(); the grads would be reduced again "
+                "without the clipping. Clip (or unscale) after the last backward, right before step()"
+            )
+        self._comm.finish_grad_sync()
+        self._presence.discard()
+        self._grads_reduced = False
 
     def _start_bucket_sync(self, bucket_index: int) -> None:
         """Share the bucket's presence flags, then issue its grad reduction; see Note [Presence

@@ -298,6 +298,56 @@ def gan_loop(loop: Loop) -> dict:
     return {"params": _snapshot(generator) + _snapshot(discriminator)}
 
 
+def dcgan_tutorial_loop(loop: Loop) -> dict:
+    """The PyTorch DCGAN tutorial's loop: ``netD.zero_grad()``, ``errD_real.backward()`` and
+    ``errD_fake.backward()`` (two backwards, no ``no_sync``), D's step; then ``netG.zero_grad()``
+    and G's loss backward through an unfrozen D (D's grads are dropped by the next
+    ``netD.zero_grad()``)."""
+    torch.manual_seed(0)
+    net_g = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 6))
+    net_d = nn.Sequential(nn.Linear(6, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    g_params, d_params = list(net_g.parameters()), list(net_d.parameters())
+    opt_g = loop.wrap(torch.optim.Adam(g_params, lr=2e-3, betas=(0.5, 0.999)), net_g)
+    opt_d = loop.wrap(torch.optim.Adam(d_params, lr=2e-3, betas=(0.5, 0.999)), net_d)
+    bce = nn.BCEWithLogitsLoss()
+    for step in range(3):
+        real = [
+            torch.randn(SLICE, 6, generator=torch.Generator().manual_seed(10 * step + i)) for i in range(2)
+        ]
+        noise = [
+            torch.randn(SLICE, 4, generator=torch.Generator().manual_seed(99 + 10 * step + i))
+            for i in range(2)
+        ]
+        net_d.zero_grad()
+        if not loop.sharded:
+            loop._sums = {}
+
+        def err_d_real(index: int, real: list = real) -> torch.Tensor:
+            output = net_d(real[index])
+            return bce(output, torch.ones_like(output))
+
+        def err_d_fake(index: int, noise: list = noise) -> torch.Tensor:
+            output = net_d(net_g(noise[index]).detach())
+            return bce(output, torch.zeros_like(output))
+
+        loop.backward(opt_d, d_params, err_d_real)
+        loop.backward(opt_d, d_params, err_d_fake)
+        opt_d.step()
+        net_g.zero_grad()
+        if not loop.sharded:
+            loop._sums = {}
+
+        def err_g(index: int, noise: list = noise) -> torch.Tensor:
+            output = net_d(net_g(noise[index]))
+            return bce(output, torch.ones_like(output))
+
+        loop.backward(opt_g, g_params, err_g)
+        opt_g.step()
+    loop.sync(opt_g)
+    loop.sync(opt_d)
+    return {"params": _snapshot(net_g) + _snapshot(net_d)}
+
+
 # -- EMA -----------------------------------------------------------------------------------------
 
 
@@ -461,6 +511,7 @@ def _jobs() -> dict[str, Callable[[], dict]]:
         "nanogpt_non_reentrant": lambda: _both(lambda loop: nanogpt_loop(loop, "non_reentrant", 1)),
         "finetune": lambda: _both(lm_finetune_loop),
         "gan": lambda: _both(gan_loop),
+        "dcgan_tutorial": lambda: _both(dcgan_tutorial_loop),
         "ema": lambda: _late_gathers(ema_loop),
         "compile_later": lambda: _late_gathers(compile_later_loop),
     }
@@ -506,3 +557,14 @@ def test_add_param_group_for_gradual_unfreezing_names_the_way(single_rank_group)
     opt = ShardingStage1(torch.optim.AdamW(model.last.parameters()))
     with pytest.raises(RuntimeError, match=r"gradual unfreezing.*before wrapping.*requires_grad_\(True\)"):
         opt.add_param_group({"params": list(model.first.parameters()), "lr": 1e-4})
+
+
+def test_backward_after_clipping_is_refused(single_rank_group) -> None:
+    """A second backward reduces the accumulated local grads again, which would drop a clip
+    applied to the first reduction (torch would add the new grads to the clipped ones)."""
+    model = SmallNet()
+    opt = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True, model=model)
+    model(_xy(0, 0)[0]).sum().backward()
+    opt.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match=r"backward ran after opt.clip_grad_norm_.*Clip .* after the last"):
+        model(_xy(0, 0)[0]).sum().backward()
