@@ -311,13 +311,9 @@ def dcgan_tutorial_loop(loop: Loop) -> dict:
     opt_d = loop.wrap(torch.optim.Adam(d_params, lr=2e-3, betas=(0.5, 0.999)), net_d)
     bce = nn.BCEWithLogitsLoss()
     for step in range(3):
-        real = [
-            torch.randn(SLICE, 6, generator=torch.Generator().manual_seed(10 * step + i)) for i in range(2)
-        ]
-        noise = [
-            torch.randn(SLICE, 4, generator=torch.Generator().manual_seed(99 + 10 * step + i))
-            for i in range(2)
-        ]
+        seeds = range(10 * step, 10 * step + loop.world_size)
+        real = [torch.randn(SLICE, 6, generator=torch.Generator().manual_seed(seed)) for seed in seeds]
+        noise = [torch.randn(SLICE, 4, generator=torch.Generator().manual_seed(99 + seed)) for seed in seeds]
         net_d.zero_grad()
         if not loop.sharded:
             loop._sums = {}
@@ -525,9 +521,15 @@ def _jobs() -> dict[str, Callable[[], dict]]:
     return jobs
 
 
-def _run_all() -> dict[str, object]:
+THREE_RANK_JOBS = ("nanogpt", "finetune", "dcgan_tutorial", "ema")
+"""Loops run on 3 ranks too: shards then split params and groups at other offsets."""
+
+
+def _run_all(names: tuple[str, ...] | None = None) -> dict[str, object]:
     results = {}
     for name, job in _jobs().items():
+        if names is not None and name not in names:
+            continue
         try:
             results[name] = job()
         except Exception as error:  # noqa: BLE001 - reported per loop by its test
@@ -540,8 +542,22 @@ def outcomes() -> list[dict[str, object]]:
     return run_ranks(_run_all, 2)
 
 
+@pytest.fixture(scope="module")
+def outcomes_on_three() -> list[dict[str, object]]:
+    return run_ranks(_run_all, 3, THREE_RANK_JOBS)
+
+
 @pytest.mark.parametrize("name", sorted(_jobs()))
 def test_user_loop_matches_plain_torch(outcomes, name: str) -> None:
+    _assert_matches_plain(outcomes, name)
+
+
+@pytest.mark.parametrize("name", THREE_RANK_JOBS)
+def test_user_loop_on_three_ranks_matches_plain_torch(outcomes_on_three, name: str) -> None:
+    _assert_matches_plain(outcomes_on_three, name)
+
+
+def _assert_matches_plain(outcomes: list[dict[str, object]], name: str) -> None:
     for rank, results in enumerate(outcomes):
         result = results[name]
         assert not isinstance(result, str), f"rank {rank}: {result}"
