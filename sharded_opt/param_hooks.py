@@ -33,8 +33,9 @@ Note [Reads right after step]
     (the param itself, ``.data``, a view) waits for every pending all-gather, then runs. In
     the training loop the window holds only ``zero_grad()``, the scheduler and data loading,
     and the next forward ends it at its first module, so the forward itself runs without the
-    mode and keeps its per-module waits. A mode some other code pushed above this one while it
-    was active is left in place; this one then stops watching and is popped later.
+    mode and keeps its per-module waits. The mode goes to the bottom of the mode stack, not the
+    top: a ``with`` block of another mode (``with torch.device(...):``) around ``step()`` then
+    pops its own mode when it ends, not this one, and modes above pass every call down to it.
 
 Note [Writes while params are gathered]
     A write into a param while its all-gather is running is partly overwritten when the
@@ -208,6 +209,18 @@ _METADATA_FUNCTIONS = frozenset(
 freezing, or a grad hook right after ``step()`` need not wait for the all-gathers."""
 
 
+def _function_modes() -> list[TorchFunctionMode]:
+    """The torch function mode stack of this thread, bottom first."""
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+
+def _set_function_modes(modes: list[TorchFunctionMode]) -> None:
+    for _ in range(torch._C._len_torch_function_stack()):
+        torch._C._pop_torch_function_stack()
+    for mode in modes:
+        torch._C._push_on_torch_function_stack(mode)
+
+
 class _ReadGuard(TorchFunctionMode):
     """Waits for every pending all-gather before the first torch function that touches a param
     buffer, see Note [Reads right after step]. ``remove()`` makes it a handle of its waiter."""
@@ -217,21 +230,19 @@ class _ReadGuard(TorchFunctionMode):
         self._storages = frozenset(buffer.untyped_storage().data_ptr() for buffer in param_buffers)
         self._finish = weakref.WeakMethod(finish)
         self._watching = False
-        self._pushed = False
 
     def start(self) -> None:
         self._watching = True
-        if not self._pushed:
-            torch._C._push_on_torch_function_stack(self)
-            self._pushed = True
+        if not any(mode is self for mode in _function_modes()):
+            _set_function_modes([self, *_function_modes()])
 
     def remove(self) -> None:
-        """Stop watching; leave the mode stack if this mode is on its top."""
+        """Stop watching and leave the mode stack (unless this mode's own handler is running:
+        torch took it off the stack for that and puts it back, and a later call removes it)."""
         self._watching = False
-        depth = torch._C._len_torch_function_stack()
-        if self._pushed and depth and torch._C._get_function_stack_at(depth - 1) is self:
-            torch._C._pop_torch_function_stack()
-            self._pushed = False
+        modes = _function_modes()
+        if any(mode is self for mode in modes):
+            _set_function_modes([mode for mode in modes if mode is not self])
 
     def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
         kwargs = kwargs or {}

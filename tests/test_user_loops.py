@@ -397,6 +397,21 @@ def ema_loop(loop: Loop) -> dict:
     return {"params": _snapshot(model), "swa": _snapshot(swa.module), "hand": hand, "norms": norms}
 
 
+def device_block_loop(loop: Loop) -> dict:
+    """Each step inside ``with torch.device("cpu"):`` (a torch function mode of its own), which
+    must pop its own mode when it ends, also while step()'s all-gathers are pending."""
+    model = SmallNet()
+    params = list(model.parameters())
+    opt = loop.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    for step in range(3):
+        with torch.device("cpu"):
+            loop.zero_grad(opt)
+            loop.backward(opt, params, _mse(model, step))
+            opt.step()
+    loop.sync(opt)
+    return {"params": _snapshot(model), "modes_left": torch._C._len_torch_function_stack()}
+
+
 def compile_later_loop(loop: Loop) -> dict:
     """Two eager steps, then ``torch.compile(model)``: its first compiled forward traces hooks
     that cannot wait, while the last eager step's all-gathers are still pending."""
@@ -510,6 +525,7 @@ def _jobs() -> dict[str, Callable[[], dict]]:
         "dcgan_tutorial": lambda: _both(dcgan_tutorial_loop),
         "ema": lambda: _late_gathers(ema_loop),
         "compile_later": lambda: _late_gathers(compile_later_loop),
+        "device_block": lambda: _late_gathers(device_block_loop),
     }
     for name in SCHEDULERS:
         for before in (False, True):
