@@ -59,6 +59,22 @@ Note [Hook cost]
     got a grad]) is one C-level pass compared against the last one, and the full re-scan runs
     only when a flag changed.
 
+Note [A second backward]
+    Plain torch and DDP let grads of several backwards add up before ``step()``: the DCGAN
+    tutorial runs ``errD_real.backward()`` then ``errD_fake.backward()``, and a G loss that
+    reaches D's params is followed by ``netD.zero_grad()`` and D's own backward. In overlap mode
+    the first backward already issued the reductions, so a hook that sees a param counted
+    twice, or a bucket already launched, starts the iteration again: the wrapper waits for the
+    reductions issued so far and forgets them (and their presence flags), and counting starts
+    from zero. When sharded, a reduction writes a separate shard of averaged grads and the grad
+    buffers keep this rank's local grads, which the second backward accumulated into (or, for
+    grads set to None in between, replaced) exactly as torch does; the end of that backward
+    reduces them again. The result is bitwise what sync mode computes, at the cost of one more
+    reduction per extra backward; ``no_sync()`` avoids it. Every rank must run the same number
+    of backwards, as with DDP. On one rank nothing is reduced, so the same holds. Without
+    sharding (``enable=False``, or ``degree=1``) the all-reduce averages the grad buffers in
+    place, so there a second backward raises, naming ``no_sync()``.
+
 Note [End of backward under reentrant checkpointing]
     ``queue_callback`` queues on the backward that is running when it is called. With
     ``torch.utils.checkpoint(..., use_reentrant=True)`` a checkpointed segment's grads are
@@ -103,6 +119,10 @@ class GradReadyTracker:
         note_grad_stream: called with the bucket index from every hook that accumulated a grad
             (no_sync included), so the bucket's reduction can wait for every stream that wrote
             its grads; None on CPU and in sync mode. See Note [Streams and events].
+        restart_grad_sync: waits for this iteration's reductions and forgets them, so that a
+            second backward before ``step()`` reduces the grads again (Note [A second
+            backward]); None where a reduction overwrites the grad buffers: a second backward
+            then raises.
     """
 
     def __init__(
@@ -112,8 +132,10 @@ class GradReadyTracker:
         start_grad_sync: Callable[[int], None] | None = None,
         on_all_launched: Callable[[], None] | None = None,
         note_grad_stream: Callable[[int], None] | None = None,
+        restart_grad_sync: Callable[[], None] | None = None,
     ) -> None:
         self._buffers = buffers
+        self._restart_grad_sync = restart_grad_sync
         self._materialize = materialize
         self._start_grad_sync = start_grad_sync
         self._on_all_launched = on_all_launched
@@ -224,11 +246,7 @@ class GradReadyTracker:
         """Overlap mode, outside ``no_sync()``: count the grad and launch what is ready, see
         Note [Launching reductions during backward]."""
         if self._counted[param_index] or bucket_index < self._next_to_launch:
-            raise RuntimeError(
-                "ShardingStage1(overlap=True): a second backward ran before step(), after the "
-                "grads of this iteration were already reduced; they would be lost. Run all but the "
-                "last micro-batch's backward inside `with opt.no_sync():` for gradient accumulation"
-            )
+            self._restart()
         self._counted[param_index] = 1
         if not self._callback_queued:
             self._callback_queued = True
@@ -238,6 +256,18 @@ class GradReadyTracker:
         # Only a bucket that just completed can extend the launched prefix.
         if counts[bucket_index] >= self._expected[bucket_index]:
             self._launch_ready()
+
+    def _restart(self) -> None:
+        """A second backward before ``step()``, see Note [A second backward]."""
+        if self._restart_grad_sync is None:
+            raise RuntimeError(
+                "ShardingStage1(overlap=True): a second backward ran before step(), after the "
+                "grads of this iteration were already reduced in place; they would be lost. Run all "
+                "but the last backward inside `with opt.no_sync():` (gradient accumulation)"
+            )
+        self._restart_grad_sync()
+        self.reset()
+        self._scanned = True  # this hook already scanned requires_grad
 
     def _launch_ready(self) -> None:
         while (

@@ -191,6 +191,7 @@ class ShardingStage1(torch.optim.Optimizer):
             self._start_bucket_sync if self.overlap else None,
             self._start_unlaunched_presence if self.overlap else None,
             self._comm.note_grad_stream if self.overlap and self._comm.stream is not None else None,
+            self._restart_grad_sync if self.overlap and (self._comm.sharded or world_size == 1) else None,
         )
         self._presence = GradPresence(
             self.plan.buckets, presence_group(groups, self._flag_device), world_size, self._flag_device
@@ -334,8 +335,9 @@ class ShardingStage1(torch.optim.Optimizer):
 
     def sync_params(self) -> None:
         """Wait until every param holds its updated value (a no-op unless overlap with a model
-        attached left all-gathers running); call before reading or writing params outside
-        forward.
+        attached left all-gathers running). Reads and writes between ``step()`` and the next
+        forward wait by themselves (Note [Reads right after step]); call it inside a forward
+        before reading another module's params, or from another thread.
 
         Raises:
             RuntimeError: a param was written (``param.copy_``...) while it was still being
@@ -474,10 +476,7 @@ class ShardingStage1(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_layout_frozen", False):
-            raise RuntimeError(
-                "ShardingStage1 lays params out once, when it is built; add every param group to "
-                "the torch optimizer first, then wrap it"
-            )
+            raise RuntimeError(f"ShardingStage1 lays params out once, when it is built; {_ADD_GROUPS_FIRST}")
         super().add_param_group(param_group)
 
     def state_dict(self, *, to_rank: int | None = None) -> dict[str, Any] | None:  # type: ignore[override]
@@ -692,6 +691,19 @@ class ShardingStage1(torch.optim.Optimizer):
                 "backward (opt.zero_grad() or model.zero_grad()), not between backward and step()"
             )
 
+    def _restart_grad_sync(self) -> None:
+        """Wait for this iteration's reductions and forget them (a second backward before
+        ``step()``, see Note [A second backward] in ``grad_hooks``)."""
+        if self._grads_reduced:
+            raise RuntimeError(
+                "ShardingStage1(overlap=True): a backward ran after opt.clip_grad_norm_ (or "
+                "ShardedGradScaler.unscale_) and before step(); the grads would be reduced again "
+                "without the clipping. Clip (or unscale) after the last backward, right before step()"
+            )
+        self._comm.finish_grad_sync()
+        self._presence.discard()
+        self._grads_reduced = False
+
     def _start_bucket_sync(self, bucket_index: int) -> None:
         """Share the bucket's presence flags, then issue its grad reduction; see Note [Presence
         per bucket] in ``grad_presence``."""
@@ -840,8 +852,15 @@ def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: 
     )
 
 
+_ADD_GROUPS_FIRST = (
+    "add every param group to the torch optimizer first, then wrap it. For gradual unfreezing, "
+    "give the frozen params their group (and lr) before wrapping and unfreeze them later with "
+    "requires_grad_(True): frozen params cost no grad memory and no communication until then"
+)
+
+
 def _refuse_wrapped_add_param_group(optimizer_class: type, param_group: dict[str, Any]) -> None:
     raise RuntimeError(
         f"this {optimizer_class.__name__} is wrapped by ShardingStage1, which laid its params out "
-        "when it was built; add every param group to the torch optimizer first, then wrap it"
+        f"when it was built; {_ADD_GROUPS_FIRST}"
     )

@@ -16,16 +16,33 @@ Note [No stale params]
     after the bucket's all-gather, see Note [Streams and events]), so a forward run on another
     stream than the last one waits too; each stream waits once per all-gather.
 
-    The contract: a module's own params are current when its forward starts. Code that reads
-    params outside the forward of the module that owns them (evaluation code reading weights,
-    a parent module reaching into a child's weight, ``AveragedModel.update_parameters``) must
-    call ``ShardingStage1.sync_params()`` first; ``step()``, ``state_dict()`` and the wrapper's
-    other entry points do so themselves.
+    The contract: a module's own params are current when its forward starts, and so is every
+    param that code between ``step()`` and the next forward touches (Note [Reads right after
+    step]). Only code inside a forward that reaches into another module's params before that
+    module ran (a parent reading a child's weight) must call ``ShardingStage1.sync_params()``
+    first; ``step()``, ``state_dict()`` and the wrapper's other entry points do so themselves.
+
+Note [Reads right after step]
+    Users read and write params right after ``step()``: an EMA update (timm's ``ModelEmaV3``,
+    ``AveragedModel.update_parameters``), logging weight norms, ``param.copy_(best)``. Plain
+    torch and DDP have the new values there; here the all-gather may still be writing them,
+    so such a read silently mixes old and new weights (a hand EMA differed from plain torch by
+    2e-2 after four steps). So from the end of ``step()`` until the next forward of the model
+    (or until every all-gather is finished, whichever comes first) a ``TorchFunctionMode``
+    watches every torch function: the first one given a tensor that lives in a param buffer
+    (the param itself, ``.data``, a view) waits for every pending all-gather, then runs. In
+    the training loop the window holds only ``zero_grad()``, the scheduler and data loading,
+    and the next forward ends it at its first module, so the forward itself runs without the
+    mode and keeps its per-module waits. The mode goes to the bottom of the mode stack, not the
+    top: a ``with`` block of another mode (``with torch.device(...):``) around ``step()`` then
+    pops its own mode when it ends, not this one, and modes above pass every call down to it.
 
 Note [Writes while params are gathered]
-    A write into a param while its all-gather is running (``param.copy_(best)`` right after
-    ``step()``) is partly overwritten when the gathered values land: a silent mix of old and
-    new weights. Writes cannot be intercepted, but they can be seen afterwards: each param has
+    A write into a param while its all-gather is running is partly overwritten when the
+    gathered values land: a silent mix of old and new weights. Writes by torch functions right
+    after ``step()`` (``param.copy_(best)``) wait first (Note [Reads right after step]); the
+    others (another thread, inside a forward before the owning module ran, torch functions
+    disabled) cannot be intercepted, but they can be seen afterwards: each param has
     an autograd version counter that every in-place write through it bumps. The counters are
     recorded when ``step()`` issues the all-gathers and compared when a bucket's all-gather is
     finished; a moved counter raises. The wrapper's own writes (the optimizer step on the local
@@ -45,11 +62,14 @@ Note [torch.compile]
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from fusion.buffers import FlatBuffers
@@ -95,7 +115,11 @@ class ParamReadyWaiter:
         self._names = [names.get(id(param), f"param {index}") for index, param in enumerate(buffers.params)]
         self._gathered_versions: dict[int, tuple[int, ...]] = {}
         self._compiled = _CompiledForward()
-        self.handles: list[RemovableHandle] = []
+        self._read_guard = _ReadGuard(buffers.param_buffers, self.finish)
+        self.handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(_EagerOnly(self._end_read_guard), prepend=True),
+            self._read_guard,
+        ]
         """The hooks this waiter installed; see Note [Hook lifetimes and copies]."""
         for module in model.modules():
             buckets = tuple(
@@ -119,6 +143,8 @@ class ParamReadyWaiter:
         see Note [Writes while params are gathered]."""
         for index in bucket_indices:
             self._gathered_versions[index] = self._versions(index)
+        if self._gathered_versions:
+            self._read_guard.start()
 
     def finish(self, bucket_indices: Iterable[int] | None = None) -> None:
         """Wait for the all-gathers of ``bucket_indices`` (default: all).
@@ -129,6 +155,7 @@ class ParamReadyWaiter:
         self._finish_param_sync(bucket_indices)
         if bucket_indices is None:
             bucket_indices = list(self._gathered_versions)
+            self._read_guard.remove()
         written: list[int] = []
         for index in bucket_indices:
             before = self._gathered_versions.pop(index, None)
@@ -155,6 +182,10 @@ class ParamReadyWaiter:
     def _wait_for(self, buckets: tuple[int, ...], module: nn.Module, *hook_args: object) -> None:
         self.finish(buckets)
 
+    def _end_read_guard(self, module: nn.Module, args: tuple) -> None:
+        """The model's forward starts: its modules wait for their own params from here on."""
+        self._read_guard.remove()
+
     def _versions(self, bucket_index: int) -> tuple[int, ...]:
         params = self._buffers.params
         return tuple(
@@ -162,11 +193,102 @@ class ParamReadyWaiter:
         )
 
 
+_METADATA_GETTERS = (
+    "grad", "requires_grad", "_version", "shape", "dtype", "device", "layout", "is_leaf", "ndim",
+)  # fmt: skip
+_METADATA_METHODS = (
+    "size", "dim", "numel", "stride", "storage_offset", "element_size", "is_contiguous", "data_ptr",
+    "untyped_storage", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+)  # fmt: skip
+_METADATA_FUNCTIONS = frozenset(
+    [getattr(torch.Tensor, name).__get__ for name in _METADATA_GETTERS]
+    + [getattr(torch.Tensor, name) for name in _METADATA_METHODS]
+    + [torch.Tensor.grad.__set__, torch.Tensor.requires_grad.__set__]
+)
+"""Torch functions that read or set a param's metadata, never its values: ``zero_grad()``,
+freezing, or a grad hook right after ``step()`` need not wait for the all-gathers."""
+
+
+def _function_modes() -> list[TorchFunctionMode]:
+    """The torch function mode stack of this thread, bottom first."""
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+
+def _set_function_modes(modes: list[TorchFunctionMode]) -> None:
+    for _ in range(torch._C._len_torch_function_stack()):
+        torch._C._pop_torch_function_stack()
+    for mode in modes:
+        torch._C._push_on_torch_function_stack(mode)
+
+
+class _ReadGuard(TorchFunctionMode):
+    """Waits for every pending all-gather before the first torch function that touches a param
+    buffer, see Note [Reads right after step]. ``remove()`` makes it a handle of its waiter."""
+
+    def __init__(self, param_buffers: list[torch.Tensor], finish: Callable[[], None]) -> None:
+        super().__init__()
+        self._storages = frozenset(buffer.untyped_storage().data_ptr() for buffer in param_buffers)
+        self._finish = weakref.WeakMethod(finish)
+        self._watching = False
+
+    def start(self) -> None:
+        self._watching = True
+        if not any(mode is self for mode in _function_modes()):
+            _set_function_modes([self, *_function_modes()])
+
+    def remove(self) -> None:
+        """Stop watching and leave the mode stack (unless this mode's own handler is running:
+        torch took it off the stack for that and puts it back, and a later call removes it)."""
+        self._watching = False
+        modes = _function_modes()
+        if any(mode is self for mode in modes):
+            _set_function_modes([mode for mode in modes if mode is not self])
+
+    def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
+        kwargs = kwargs or {}
+        if (
+            self._watching
+            and func not in _METADATA_FUNCTIONS
+            and (self._touches_params(args) or self._touches_params(kwargs.values()))
+        ):
+            finish = self._finish()
+            if finish is not None:
+                finish()
+            self.remove()  # runs with this mode off the stack (torch pops it around the call)
+        return func(*args, **kwargs)
+
+    def _touches_params(self, values: Iterable[object]) -> bool:
+        for value in values:
+            if isinstance(value, (list, tuple)):
+                if self._touches_params(value):
+                    return True
+            elif isinstance(value, torch.Tensor) and value.layout == torch.strided:
+                try:
+                    storage = value.untyped_storage().data_ptr()
+                except NotImplementedError:  # a wrapper without storage (torch.func.vmap's)
+                    continue
+                if storage in self._storages:
+                    return True
+        return False
+
+
 class _CompiledForward:
     """Whether Dynamo traced one of the forward pre-hooks, see Note [torch.compile]."""
 
     def __init__(self) -> None:
         self.seen = False
+
+
+class _EagerOnly(WeakMethodHook):
+    """A forward pre-hook that traces to nothing under ``torch.compile`` (Note [torch.compile]:
+    a compiled forward's ``step()`` leaves nothing pending)."""
+
+    __slots__ = ()
+
+    def __call__(self, *hook_args: object) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        return super().__call__(*hook_args)
 
 
 class _ForwardWait(WeakMethodHook):

@@ -239,12 +239,18 @@ def _writes_after_step() -> dict:
 
         _train(model, optimizer, 1, first_step=2)
         with torch.no_grad():
+            model.fc2.weight.copy_(torch.zeros_like(model.fc2.weight))  # waits, then writes
+        optimizer.sync_params()
+        result["copy_lands"] = not model.fc2.weight.any()
+
+        _train(model, optimizer, 1, first_step=3)
+        with torch.no_grad(), torch._C.DisableTorchFunction():  # a write the guard cannot see
             model.fc2.weight.copy_(torch.zeros_like(model.fc2.weight))
         try:
             optimizer.sync_params()
         except RuntimeError as error:
             result["copy_error"] = str(error)
-        _train(model, optimizer, 2, first_step=3)  # training goes on after the error
+        _train(model, optimizer, 2, first_step=4)  # training goes on after the error
         optimizer.sync_params()
     return result
 
@@ -377,8 +383,9 @@ def test_state_dict_and_load_state_dict_right_after_step_wait_for_params(two_ran
         assert runs["writes"]["load_exact"]
 
 
-def test_param_write_during_all_gather_raises(two_ranks) -> None:
+def test_param_write_right_after_step_lands_and_one_unseen_raises(two_ranks) -> None:
     for runs in two_ranks:
+        assert runs["writes"]["copy_lands"]
         message = runs["writes"].get("copy_error", "")
         assert "['fc2.weight'] were written while step()'s all-gather" in message
         assert "call opt.sync_params() before writing params" in message

@@ -238,7 +238,12 @@ def _ranks_with_different_models() -> str:
 
 def _second_backward_outside_no_sync() -> str:
     model = make_model()
-    optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True)
+    # Plain data parallel: the all-reduce averages the grad buffers in place, so a second
+    # backward cannot be reduced again (sharded, it can: tests/test_user_loops.py).
+    data_parallel = Strategy(sharding=ShardingConfig(enable=False))
+    optimizer = ShardingStage1(
+        torch.optim.SGD(model.parameters(), lr=0.1), overlap=True, strategy=data_parallel
+    )
     inputs = torch.randn(GLOBAL_BATCH, 12)
     model(inputs).sum().backward()
     try:
