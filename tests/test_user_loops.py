@@ -253,15 +253,22 @@ def lm_finetune_loop(loop: Loop) -> dict:
 # -- a GAN -------------------------------------------------------------------------------------
 
 
-def gan_loop(loop: Loop) -> dict:
-    """DCGAN-style: two wrapped optimizers, D stepped twice per G step, D frozen while G trains,
-    fake samples detached for D, and a G loss of two terms backpropagated through one graph."""
+def _gan(loop: Loop) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """A small generator and discriminator, each with its own (wrapped) Adam, DCGAN's betas."""
     torch.manual_seed(0)
     generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 6))
     discriminator = nn.Sequential(nn.Linear(6, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    dcgan_adam = {"lr": 2e-3, "betas": (0.5, 0.999)}
+    opt_g = loop.wrap(torch.optim.Adam(generator.parameters(), **dcgan_adam), generator)
+    opt_d = loop.wrap(torch.optim.Adam(discriminator.parameters(), **dcgan_adam), discriminator)
+    return generator, discriminator, opt_g, opt_d
+
+
+def gan_loop(loop: Loop) -> dict:
+    """DCGAN-style: two wrapped optimizers, D stepped twice per G step, D frozen while G trains,
+    fake samples detached for D, and a G loss of two terms backpropagated through one graph."""
+    generator, discriminator, opt_g, opt_d = _gan(loop)
     g_params, d_params = list(generator.parameters()), list(discriminator.parameters())
-    opt_g = loop.wrap(torch.optim.Adam(g_params, lr=2e-3, betas=(0.5, 0.999)), generator)
-    opt_d = loop.wrap(torch.optim.Adam(d_params, lr=2e-3, betas=(0.5, 0.999)), discriminator)
     bce = nn.BCEWithLogitsLoss()
 
     def real(step: int, index: int) -> torch.Tensor:
@@ -303,12 +310,8 @@ def dcgan_tutorial_loop(loop: Loop) -> dict:
     ``errD_fake.backward()`` (two backwards, no ``no_sync``), D's step; then ``netG.zero_grad()``
     and G's loss backward through an unfrozen D (D's grads are dropped by the next
     ``netD.zero_grad()``)."""
-    torch.manual_seed(0)
-    net_g = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 6))
-    net_d = nn.Sequential(nn.Linear(6, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    net_g, net_d, opt_g, opt_d = _gan(loop)
     g_params, d_params = list(net_g.parameters()), list(net_d.parameters())
-    opt_g = loop.wrap(torch.optim.Adam(g_params, lr=2e-3, betas=(0.5, 0.999)), net_g)
-    opt_d = loop.wrap(torch.optim.Adam(d_params, lr=2e-3, betas=(0.5, 0.999)), net_d)
     bce = nn.BCEWithLogitsLoss()
     for step in range(3):
         seeds = range(10 * step, 10 * step + loop.world_size)
