@@ -24,6 +24,7 @@ behind compute; 0.0 means compute always waited for it.
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -268,8 +269,6 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m benchmarks.trace_analysis TRACE.json``: the hidden share of comm and, per
     phase, the time each collective was in flight and the link idle (CPU traces from
     ``python -m benchmarks.compare --profile``)."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m benchmarks.trace_analysis", description=main.__doc__)
     parser.add_argument("trace", type=Path)
     parser.add_argument("--compute", choices=["cpu_op", "kernel"], default="cpu_op")

@@ -53,11 +53,11 @@ class _SharedFlags:
     agreed: list[int] | None = None
 
     def values(self) -> list[int]:
-        if self.agreed is None and self.flags is not None:
+        if self.agreed is None:  # then flags holds the all-reduce's tensor
             if self.work is not None:
                 self.work.wait()
             self.agreed = self.flags.tolist()
-        return self.agreed if self.agreed is not None else []
+        return self.agreed
 
 
 class GradPresence:

@@ -233,8 +233,9 @@ class _ReadGuard(TorchFunctionMode):
 
     def start(self) -> None:
         self._watching = True
-        if not any(mode is self for mode in _function_modes()):
-            _set_function_modes([self, *_function_modes()])
+        modes = _function_modes()
+        if not any(mode is self for mode in modes):
+            _set_function_modes([self, *modes])
 
     def remove(self) -> None:
         """Stop watching and leave the mode stack (unless this mode's own handler is running:
