@@ -108,6 +108,16 @@ def test_rejects_a_single_steady_round(capsys):
     assert "--steady-rounds must be at least 2" in capsys.readouterr().err
 
 
+def test_point_to_point_and_profile_steps_reach_the_run_config(capsys):
+    default = compare.parse_args([]).base
+    assert not default.gloo_point_to_point and default.profile_steps == 1
+    plan = compare.parse_args(["--gloo-p2p", "--profile", "--profile-steps", "3"])
+    assert plan.base.gloo_point_to_point and plan.base.profile_steps == 3
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--profile-steps", "0"])
+    assert "--profile-steps must be at least 1" in capsys.readouterr().err
+
+
 def test_degree_adds_the_hybrid_mode_and_two_emulated_nodes():
     plan = compare.parse_args(["--world-sizes", "4", "--degree", "2", "--emulate-link", "0.5"])
     assert plan.base.modes[-1] == "hybrid" and plan.base.degree == 2
