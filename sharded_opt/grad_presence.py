@@ -9,12 +9,20 @@ Note [Presence per bucket]
     and no shard could be stepped before all of them had landed.
 
     A bucket's flags are final when the bucket is launched (a later grad for it raises in
-    overlap mode; sync mode launches at ``step()``), so each bucket's flags are all-reduced right
-    before its own reduce-scatter, on the same group: they land just before its grads, and the
-    step can take the bucket as soon as its reduce-scatter completes (Note [Step pipeline] in
-    ``optimizer``). Buckets that take no part in the reduction (every param frozen now, though a
-    param may still hold an old grad that torch would step) share theirs in one all-reduce after
-    the last launch. The cost is one small collective per bucket instead of one per step.
+    overlap mode; sync mode launches at ``step()``). Where the flags share the reductions' group
+    (NCCL), each bucket's flags are all-reduced right before its own reduce-scatter: they land
+    just before its grads, and the step can take the bucket as soon as its reduce-scatter
+    completes (Note [Step pipeline] in ``optimizer``). Buckets that take no part in the
+    reduction (every param frozen now, though a param may still hold an old grad that torch
+    would step) share theirs in one all-reduce after the last launch.
+
+    On gloo that per-bucket all-reduce queued behind the previous bucket's bytes on the socket
+    and held one of the group's two worker threads while it waited, so a single reduce-scatter
+    was on the wire at a time: the flags get a group of their own there. Nothing then orders
+    them behind the reductions, so every bucket's flags travel in one all-reduce after the last
+    launch (``per_bucket`` is False): it lands long before the last reduce-scatter, and one
+    small collective per step instead of one per bucket wakes fewer gloo threads while backward
+    fills the cores (measured in ``benchmarks/results/2026-12-03-flags-once-cpu-2core.md``).
 """
 
 from __future__ import annotations
@@ -68,11 +76,19 @@ class GradPresence:
         buckets: the layout's buckets.
         group: the group to agree over; ``world_size == 1`` agrees with nobody.
         device: where the flags are reduced (CPU on gloo, so reading them needs no device sync).
+        per_bucket: share each bucket's flags right before its reduction; else all of them once,
+            after the last launch.
     """
 
     def __init__(
-        self, buckets: Sequence[BucketPlan], group: ProcessGroup, world_size: int, device: torch.device
+        self,
+        buckets: Sequence[BucketPlan],
+        group: ProcessGroup,
+        world_size: int,
+        device: torch.device,
+        per_bucket: bool,
     ) -> None:
+        self.per_bucket = per_bucket
         self._buckets = buckets
         self._group = group
         self._world_size = world_size

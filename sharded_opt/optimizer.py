@@ -6,9 +6,9 @@ Note [Step pipeline]
     therefore takes the buckets in that order: it waits for bucket 0's reduction alone, steps
     bucket 0's shard, then waits for bucket 1, and so on, so the optimizer works while later
     reductions are still on the wire, instead of waiting for all of them first (Megatron's
-    ``overlap_param_gather_with_optimizer_step`` idea). Each bucket's presence flags travel
-    just before its reduction (Note [Presence per bucket] in ``grad_presence``), so nothing
-    else has to land first.
+    ``overlap_param_gather_with_optimizer_step`` idea). The presence flags travel just before
+    each bucket's reduction, or on gloo on a group of their own right after the last one (Note
+    [Presence per bucket] in ``grad_presence``), so nothing else has to land first.
 
     A bucket's step is one call of the wrapped optimizer's ``step`` over that bucket's pieces
     only (its param groups temporarily hold just them; pieces of params without a grad are left
@@ -193,8 +193,13 @@ class ShardingStage1(torch.optim.Optimizer):
             self._comm.note_grad_stream if self.overlap and self._comm.stream is not None else None,
             self._restart_grad_sync if self.overlap and (self._comm.sharded or world_size == 1) else None,
         )
+        flags_group = presence_group(groups, self._flag_device)
         self._presence = GradPresence(
-            self.plan.buckets, presence_group(groups, self._flag_device), world_size, self._flag_device
+            self.plan.buckets,
+            flags_group,
+            world_size,
+            self._flag_device,
+            per_bucket=world_size > 1 and flags_group is groups.world,
         )
         self._local_presence = bytearray(len(params))
         # See Note [Step pipeline]: torch's own classes keep all state per param, so stepping
@@ -705,13 +710,15 @@ class ShardingStage1(torch.optim.Optimizer):
         self._grads_reduced = False
 
     def _start_bucket_sync(self, bucket_index: int) -> None:
-        """Share the bucket's presence flags, then issue its grad reduction; see Note [Presence
-        per bucket] in ``grad_presence``."""
-        self._share_presence([bucket_index])
+        """Share the bucket's presence flags (where they go per bucket), then issue its grad
+        reduction; see Note [Presence per bucket] in ``grad_presence``."""
+        if self._presence.per_bucket:
+            self._share_presence([bucket_index])
         self._comm.start_grad_sync(bucket_index)
 
     def _start_unlaunched_presence(self) -> None:
-        """Share the presence flags of the buckets that took no part in this reduction."""
+        """Share the presence flags not shared yet: of the buckets that took no part in this
+        reduction, or of every bucket where they are not shared per bucket."""
         unshared = self._presence.unshared()
         if unshared:
             self._share_presence(unshared)

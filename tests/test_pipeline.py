@@ -99,13 +99,13 @@ def _flag_groups() -> dict[str, object]:
     ``torch.distributed``'s calls."""
     model = _Net(torch.float32)
     opt = _wrap(model, overlap=True, bf16=False)
-    used: dict[str, set[str]] = {"all_reduce": set(), "reduction": set()}
+    used: dict[str, list[str]] = {"all_reduce": [], "reduction": []}
     originals = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single")}
 
     def recorder(name: str):
         def call(*args, **kwargs):
             kind = "all_reduce" if name == "all_reduce" else "reduction"
-            used[kind].add(kwargs["group"].group_name)
+            used[kind].append(kwargs["group"].group_name)
             return originals[name](*args, **kwargs)
 
         return call
@@ -122,6 +122,7 @@ def _flag_groups() -> dict[str, object]:
         "flag_groups": used["all_reduce"],
         "reduction_groups": used["reduction"],
         "flag_group_ranks": dist.get_process_group_ranks(opt._presence._group),
+        "buckets": len(opt.plan.buckets),
     }
 
 
@@ -198,11 +199,14 @@ def test_all_gathers_start_after_their_own_step_in_forward_order(on_two_ranks, m
 def test_presence_flags_travel_on_a_group_of_their_own_on_gloo(on_two_ranks) -> None:
     """On gloo a flag all-reduce on the reductions' group would hold one of its two worker
     threads until the previous bucket's bytes had passed, keeping a single reduction on the wire
-    (Note [Presence per bucket]); the flags use a group of the same ranks of their own."""
+    (Note [Presence per bucket]); the flags use a group of the same ranks of their own, and
+    all of them travel in one all-reduce per step rather than one per bucket."""
     for recorded in on_two_ranks["flag-groups"]:
-        assert len(recorded["reduction_groups"]) == 1
+        assert recorded["buckets"] > 1
+        assert len(recorded["reduction_groups"]) == recorded["buckets"]
+        assert len(set(recorded["reduction_groups"])) == 1
         assert len(recorded["flag_groups"]) == 1
-        assert recorded["flag_groups"].isdisjoint(recorded["reduction_groups"])
+        assert recorded["flag_groups"][0] not in recorded["reduction_groups"]
         assert recorded["flag_group_ranks"] == [0, 1]
 
 
