@@ -340,9 +340,10 @@ class ShardingStage1(torch.optim.Optimizer):
 
     def sync_params(self) -> None:
         """Wait until every param holds its updated value (a no-op unless overlap with a model
-        attached left all-gathers running). Reads and writes between ``step()`` and the next
-        forward wait by themselves (Note [Reads right after step]); call it inside a forward
-        before reading another module's params, or from another thread.
+        attached left all-gathers running). Reads and writes of params through torch functions
+        wait by themselves (Note [Reads right after step]); call it before reading params in a
+        way torch functions do not see: from another thread, under
+        ``torch._C.DisableTorchFunction()``, or before replaying a CUDA graph.
 
         Raises:
             RuntimeError: a param was written (``param.copy_``...) while it was still being

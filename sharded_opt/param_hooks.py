@@ -16,26 +16,35 @@ Note [No stale params]
     after the bucket's all-gather, see Note [Streams and events]), so a forward run on another
     stream than the last one waits too; each stream waits once per all-gather.
 
-    The contract: a module's own params are current when its forward starts, and so is every
-    param that code between ``step()`` and the next forward touches (Note [Reads right after
-    step]). Only code inside a forward that reaches into another module's params before that
-    module ran (a parent reading a child's weight) must call ``ShardingStage1.sync_params()``
-    first; ``step()``, ``state_dict()`` and the wrapper's other entry points do so themselves.
+    The contract: every param is current when anything reads it through torch: a module's own
+    params when its forward starts, and any other read (code between ``step()`` and the next
+    forward, a parent reading a child's weight before the child ran, a loss term over all
+    params after forward) through the read guard of Note [Reads right after step]. Only reads
+    torch functions cannot see (another thread, ``torch._C.DisableTorchFunction()``, a CUDA
+    graph replay) need ``ShardingStage1.sync_params()`` first; ``step()``, ``state_dict()`` and
+    the wrapper's other entry points do so themselves.
 
 Note [Reads right after step]
     Users read and write params right after ``step()``: an EMA update (timm's ``ModelEmaV3``,
     ``AveragedModel.update_parameters``), logging weight norms, ``param.copy_(best)``. Plain
     torch and DDP have the new values there; here the all-gather may still be writing them,
     so such a read silently mixes old and new weights (a hand EMA differed from plain torch by
-    2e-2 after four steps). So from the end of ``step()`` until the next forward of the model
-    (or until every all-gather is finished, whichever comes first) a ``TorchFunctionMode``
-    watches every torch function: the first one given a tensor that lives in a param buffer
-    (the param itself, ``.data``, a view) waits for every pending all-gather, then runs. In
-    the training loop the window holds only ``zero_grad()``, the scheduler and data loading,
-    and the next forward ends it at its first module, so the forward itself runs without the
-    mode and keeps its per-module waits. The mode goes to the bottom of the mode stack, not the
-    top: a ``with`` block of another mode (``with torch.device(...):``) around ``step()`` then
-    pops its own mode when it ends, not this one, and modes above pass every call down to it.
+    2e-2 after four steps). Inside a forward the per-module waits cover a module's own params
+    but not a parent that reads a child's weight before the child runs (a weight-norm or
+    regularization term computed up front, a tied weight used functionally), nor params of a
+    module the forward skipped. So from the end of ``step()`` until every all-gather has been
+    waited for, a ``TorchFunctionMode`` watches every torch function: one given a tensor that
+    lives in a param buffer still being gathered (the param itself, ``.data``, a view) first
+    waits for that bucket's all-gather, and only that one, so the forward keeps overlapping
+    the later buckets' all-gathers. Under ``torch.compile`` it waits for all of them at the
+    first such call (a wait is a graph break). When the last pending bucket is waited for, by
+    a module's pre-hook or by the mode itself, the mode stops watching and leaves the stack (a
+    mode cannot leave the stack from inside its own handler, where torch has taken it off; it
+    then leaves at the next wait or forward). Each watched call costs a few microseconds of
+    Python, only while all-gathers are pending, i.e. during the first part of the next forward.
+    The mode goes to the bottom of the mode stack, not the top: a ``with`` block of another
+    mode (``with torch.device(...):``) around ``step()`` then pops its own mode when it ends,
+    not this one, and modes above pass every call down to it.
 
 Note [Writes while params are gathered]
     A write into a param while its all-gather is running is partly overwritten when the
@@ -117,7 +126,7 @@ class ParamReadyWaiter:
         self._compiled = _CompiledForward()
         self._read_guard = _ReadGuard(buffers.param_buffers, self.finish)
         self.handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(_EagerOnly(self._end_read_guard), prepend=True),
+            model.register_forward_pre_hook(_EagerOnly(self._tidy_read_guard), prepend=True),
             self._read_guard,
         ]
         """The hooks this waiter installed; see Note [Hook lifetimes and copies]."""
@@ -143,8 +152,7 @@ class ParamReadyWaiter:
         see Note [Writes while params are gathered]."""
         for index in bucket_indices:
             self._gathered_versions[index] = self._versions(index)
-        if self._gathered_versions:
-            self._read_guard.start()
+        self._read_guard.watch(frozenset(self._gathered_versions))
 
     def finish(self, bucket_indices: Iterable[int] | None = None) -> None:
         """Wait for the all-gathers of ``bucket_indices`` (default: all).
@@ -155,7 +163,6 @@ class ParamReadyWaiter:
         self._finish_param_sync(bucket_indices)
         if bucket_indices is None:
             bucket_indices = list(self._gathered_versions)
-            self._read_guard.remove()
         written: list[int] = []
         for index in bucket_indices:
             before = self._gathered_versions.pop(index, None)
@@ -166,6 +173,7 @@ class ParamReadyWaiter:
                     for s, old, new in zip(slots, before, self._versions(index), strict=True)
                     if old != new
                 ]
+        self._read_guard.watch(frozenset(self._gathered_versions))
         if written:
             names = [self._names[index] for index in sorted(written)]
             raise RuntimeError(
@@ -182,9 +190,10 @@ class ParamReadyWaiter:
     def _wait_for(self, buckets: tuple[int, ...], module: nn.Module, *hook_args: object) -> None:
         self.finish(buckets)
 
-    def _end_read_guard(self, module: nn.Module, args: tuple) -> None:
-        """The model's forward starts: its modules wait for their own params from here on."""
-        self._read_guard.remove()
+    def _tidy_read_guard(self, module: nn.Module, args: tuple) -> None:
+        """The model's forward starts: a guard that stopped watching inside its own handler
+        leaves the mode stack now (Note [Reads right after step])."""
+        self._read_guard.watch(frozenset(self._gathered_versions))
 
     def _versions(self, bucket_index: int) -> tuple[int, ...]:
         params = self._buffers.params
@@ -222,55 +231,67 @@ def _set_function_modes(modes: list[TorchFunctionMode]) -> None:
 
 
 class _ReadGuard(TorchFunctionMode):
-    """Waits for every pending all-gather before the first torch function that touches a param
-    buffer, see Note [Reads right after step]. ``remove()`` makes it a handle of its waiter."""
+    """Before a torch function that touches a param buffer still being gathered, waits for that
+    bucket's all-gather (all of them under ``torch.compile``), see Note [Reads right after
+    step]. ``remove()`` makes it a handle of its waiter."""
 
-    def __init__(self, param_buffers: list[torch.Tensor], finish: Callable[[], None]) -> None:
+    def __init__(
+        self, param_buffers: list[torch.Tensor], finish: Callable[[Iterable[int] | None], None]
+    ) -> None:
         super().__init__()
-        self._storages = frozenset(buffer.untyped_storage().data_ptr() for buffer in param_buffers)
+        self._bucket_of_storage = {
+            buffer.untyped_storage().data_ptr(): index for index, buffer in enumerate(param_buffers)
+        }
         self._finish = weakref.WeakMethod(finish)
-        self._watching = False
+        self._pending: frozenset[int] = frozenset()
+        self._handling = False
 
-    def start(self) -> None:
-        self._watching = True
+    def watch(self, pending: frozenset[int]) -> None:
+        """Watch reads of the buckets in ``pending`` (their all-gathers are running); with none,
+        stop and leave the mode stack. Inside this mode's own handler torch has taken it off
+        the stack and puts it back afterwards, so the stack is left alone there (a later call
+        removes it)."""
+        self._pending = pending
+        if self._handling:
+            return
         modes = _function_modes()
-        if not any(mode is self for mode in modes):
+        on_stack = any(mode is self for mode in modes)
+        if pending and not on_stack:
             _set_function_modes([self, *modes])
+        elif not pending and on_stack:
+            _set_function_modes([mode for mode in modes if mode is not self])
 
     def remove(self) -> None:
-        """Stop watching and leave the mode stack (unless this mode's own handler is running:
-        torch took it off the stack for that and puts it back, and a later call removes it)."""
-        self._watching = False
-        modes = _function_modes()
-        if any(mode is self for mode in modes):
-            _set_function_modes([mode for mode in modes if mode is not self])
+        self.watch(frozenset())
 
     def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
         kwargs = kwargs or {}
-        if (
-            self._watching
-            and func not in _METADATA_FUNCTIONS
-            and (self._touches_params(args) or self._touches_params(kwargs.values()))
-        ):
-            finish = self._finish()
+        if self._pending and func not in _METADATA_FUNCTIONS:
+            touched = self._pending_buckets_in(args, set())
+            self._pending_buckets_in(kwargs.values(), touched)
+            finish = self._finish() if touched else None
             if finish is not None:
-                finish()
-            self.remove()  # runs with this mode off the stack (torch pops it around the call)
+                self._handling = True
+                try:
+                    # A wait inside a compiled region is a graph break: wait for all at once.
+                    finish(None if torch.compiler.is_compiling() else sorted(touched))
+                finally:
+                    self._handling = False
         return func(*args, **kwargs)
 
-    def _touches_params(self, values: Iterable[object]) -> bool:
+    def _pending_buckets_in(self, values: Iterable[object], touched: set[int]) -> set[int]:
         for value in values:
             if isinstance(value, (list, tuple)):
-                if self._touches_params(value):
-                    return True
+                self._pending_buckets_in(value, touched)
             elif isinstance(value, torch.Tensor) and value.layout == torch.strided:
                 try:
                     storage = value.untyped_storage().data_ptr()
                 except NotImplementedError:  # a wrapper without storage (torch.func.vmap's)
                     continue
-                if storage in self._storages:
-                    return True
-        return False
+                bucket = self._bucket_of_storage.get(storage)
+                if bucket is not None and bucket in self._pending:
+                    touched.add(bucket)
+        return touched
 
 
 class _CompiledForward:

@@ -432,9 +432,58 @@ def compile_later_loop(loop: Loop) -> dict:
     return {"params": _snapshot(model)}
 
 
-def _late_gathers(loop_fn: Callable[[Loop], object]) -> dict[str, object]:
+class ReadsAhead(nn.Module):
+    """A parent that reads children's weights in ways their forward pre-hooks never see: a
+    penalty on the head's weight computed before the head runs, a layer used functionally
+    (``F.linear`` on its weight, as tied or shared weights often are), params held in an
+    ``nn.ParameterList`` (a module that never runs), and a branch that odd steps skip, whose
+    params the loss still reads after forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(6, 8)
+        self.second = nn.Linear(8, 8)
+        self.skipped = nn.Linear(8, 8)
+        self.scales = nn.ParameterList(nn.Parameter(torch.rand(8) + 0.5) for _ in range(2))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, use_skipped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        penalty = self.head.weight.square().sum()
+        h = torch.tanh(F.linear(torch.tanh(self.first(x)), self.second.weight, self.second.bias))
+        if use_skipped:
+            h = self.skipped(h)
+        return self.head(h * self.scales[0] + self.scales[1]), penalty
+
+
+def reads_ahead_loop(loop: Loop) -> dict:
+    """Reads of params inside and right after forward that no module hook covers, while
+    step()'s all-gathers (one per param: tiny buckets) are still pending: each must see this
+    step's weights."""
+    model = ReadsAhead()
+    params = list(model.parameters())
+    opt = loop.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+
+    def loss_of(step: int) -> Callable[[int], torch.Tensor]:
+        def loss(index: int) -> torch.Tensor:
+            x, y = _xy(step, index)
+            out, penalty = model(x, use_skipped=step % 2 == 0)
+            decay = sum(p.square().sum() for p in model.skipped.parameters())
+            return F.mse_loss(out, y) + 1e-2 * penalty + 1e-2 * decay
+
+        return loss
+
+    for step in range(4):
+        loop.zero_grad(opt)
+        loop.backward(opt, params, loss_of(step))
+        opt.step()
+    loop.sync(opt)
+    return {"params": _snapshot(model), "modes_left": torch._C._len_torch_function_stack()}
+
+
+def _late_gathers(loop_fn: Callable[[Loop], object], **kwargs) -> dict[str, object]:
     with mock.patch.object(collectives, "all_gather", _late_all_gather):
-        return _both(loop_fn)
+        return _both(loop_fn, **kwargs)
 
 
 # -- schedulers --------------------------------------------------------------------------------
@@ -529,6 +578,7 @@ def _jobs() -> dict[str, Callable[[], dict]]:
         "ema": lambda: _late_gathers(ema_loop),
         "compile_later": lambda: _late_gathers(compile_later_loop),
         "device_block": lambda: _late_gathers(device_block_loop),
+        "reads_ahead": lambda: _late_gathers(reads_ahead_loop, bucket_size_mb=0.0001),
     }
     for name in SCHEDULERS:
         for before in (False, True):
