@@ -40,8 +40,12 @@ Note [Reads right after step]
     first such call (a wait is a graph break). When the last pending bucket is waited for, by
     a module's pre-hook or by the mode itself, the mode stops watching and leaves the stack (a
     mode cannot leave the stack from inside its own handler, where torch has taken it off; it
-    then leaves at the next wait or forward). Each watched call costs a few microseconds of
-    Python, only while all-gathers are pending, i.e. during the first part of the next forward.
+    then leaves at the next wait). The end of the model's forward waits for whatever is still
+    pending (buckets of modules the forward skipped, gathered long before), so the mode never
+    stays into backward, where the grad hooks' every tensor access would pass through it. Each
+    watched call costs about 3 microseconds of Python, only while all-gathers are pending,
+    i.e. between ``step()`` and the end of the next forward.
+
     The mode goes to the bottom of the mode stack, not the top: a ``with`` block of another
     mode (``with torch.device(...):``) around ``step()`` then pops its own mode when it ends,
     not this one, and modes above pass every call down to it.
@@ -127,6 +131,7 @@ class ParamReadyWaiter:
         self._read_guard = _ReadGuard(buffers.param_buffers, self.finish)
         self.handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(_EagerOnly(self._tidy_read_guard), prepend=True),
+            model.register_forward_hook(_EagerOnly(self._end_of_forward)),
             self._read_guard,
         ]
         """The hooks this waiter installed; see Note [Hook lifetimes and copies]."""
@@ -189,6 +194,12 @@ class ParamReadyWaiter:
 
     def _wait_for(self, buckets: tuple[int, ...], module: nn.Module, *hook_args: object) -> None:
         self.finish(buckets)
+
+    def _end_of_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        """The model's forward is done: what it did not wait for (a skipped branch's buckets)
+        landed long ago; waiting for it now ends the read guard before backward, see Note
+        [Reads right after step]."""
+        self.finish()
 
     def _tidy_read_guard(self, module: nn.Module, args: tuple) -> None:
         """The model's forward starts: a guard that stopped watching inside its own handler
