@@ -18,9 +18,11 @@ Note [No stale params]
 
     The contract: a module's own params are current when its forward starts, and so is every
     param that code between ``step()`` and the next forward touches (Note [Reads right after
-    step]). Only code inside a forward that reaches into another module's params before that
-    module ran (a parent reading a child's weight) must call ``ShardingStage1.sync_params()``
-    first; ``step()``, ``state_dict()`` and the wrapper's other entry points do so themselves.
+    step]), and so is every param a forward touches before its first module that owns params
+    starts. Only code inside a forward that reaches into another module's params after some
+    module with params ran and before that module ran (a parent reading a child's weight midway)
+    must call ``ShardingStage1.sync_params()`` first; ``step()``, ``state_dict()`` and the
+    wrapper's other entry points do so themselves.
 
 Note [Reads right after step]
     Users read and write params right after ``step()``: an EMA update (timm's ``ModelEmaV3``,
@@ -32,10 +34,15 @@ Note [Reads right after step]
     watches every torch function: the first one given a tensor that lives in a param buffer
     (the param itself, ``.data``, a view) waits for every pending all-gather, then runs. In
     the training loop the window holds only ``zero_grad()``, the scheduler and data loading,
-    and the next forward ends it at its first module, so the forward itself runs without the
-    mode and keeps its per-module waits. The mode goes to the bottom of the mode stack, not the
-    top: a ``with`` block of another mode (``with torch.device(...):``) around ``step()`` then
-    pops its own mode when it ends, not this one, and modes above pass every call down to it.
+    and the next forward ends it when its first module that owns params starts, so the rest
+    of the forward runs without the mode and keeps its per-module waits. It ends there and not
+    at the model's own forward pre-hook because a forward may touch params before any of their
+    modules ran: an RNN model calling ``self.lstm.flatten_parameters()`` (which on a GPU copies
+    the weights into a new blob, see Note [Params replaced after wrapping] in
+    ``sharded_opt/optimizer.py``) or a parent reading a child's weight first. The mode goes
+    to the bottom of the mode stack, not the top: a ``with`` block of another mode (``with
+    torch.device(...):``) around ``step()`` then pops its own mode when it ends, not this one,
+    and modes above pass every call down to it.
 
 Note [Writes while params are gathered]
     A write into a param while its all-gather is running is partly overwritten when the
@@ -116,10 +123,7 @@ class ParamReadyWaiter:
         self._gathered_versions: dict[int, tuple[int, ...]] = {}
         self._compiled = _CompiledForward()
         self._read_guard = _ReadGuard(buffers.param_buffers, self.finish)
-        self.handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(_EagerOnly(self._end_read_guard), prepend=True),
-            self._read_guard,
-        ]
+        self.handles: list[RemovableHandle] = [self._read_guard]
         """The hooks this waiter installed; see Note [Hook lifetimes and copies]."""
         for module in model.modules():
             buckets = tuple(
@@ -127,7 +131,7 @@ class ParamReadyWaiter:
             )
             if buckets:
                 hook = WeakMethodHook(self._wait_for, buckets)
-                forward_hook = _ForwardWait(self._wait_for, buckets, self._compiled)
+                forward_hook = _ForwardWait(self._wait_for_forward, buckets, self._compiled)
                 self.handles.append(module.register_forward_pre_hook(forward_hook))
                 self.handles.append(module.register_state_dict_pre_hook(hook))
                 self.handles.append(module.register_load_state_dict_pre_hook(hook))
@@ -182,9 +186,11 @@ class ParamReadyWaiter:
     def _wait_for(self, buckets: tuple[int, ...], module: nn.Module, *hook_args: object) -> None:
         self.finish(buckets)
 
-    def _end_read_guard(self, module: nn.Module, args: tuple) -> None:
-        """The model's forward starts: its modules wait for their own params from here on."""
+    def _wait_for_forward(self, buckets: tuple[int, ...], module: nn.Module, args: tuple) -> None:
+        """A module that owns params starts its forward: from here on modules wait for their
+        own params (Note [Reads right after step])."""
         self._read_guard.remove()
+        self.finish(buckets)
 
     def _versions(self, bucket_index: int) -> tuple[int, ...]:
         params = self._buffers.params
@@ -278,18 +284,6 @@ class _CompiledForward:
 
     def __init__(self) -> None:
         self.seen = False
-
-
-class _EagerOnly(WeakMethodHook):
-    """A forward pre-hook that traces to nothing under ``torch.compile`` (Note [torch.compile]:
-    a compiled forward's ``step()`` leaves nothing pending)."""
-
-    __slots__ = ()
-
-    def __call__(self, *hook_args: object) -> None:
-        if torch.compiler.is_compiling():
-            return None
-        return super().__call__(*hook_args)
 
 
 class _ForwardWait(WeakMethodHook):

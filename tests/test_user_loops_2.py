@@ -373,47 +373,54 @@ def seq2seq_loop(loop: Loop) -> dict:
 
 class CharRNN(nn.Module):
     """A 2-layer LSTM language model whose weights are views of one blob, as cuDNN's
-    ``flatten_parameters`` leaves them on a GPU."""
+    ``flatten_parameters`` leaves them on a GPU. With ``reflatten`` every forward moves them
+    into a new blob (``set_``, as ``flatten_parameters`` does on a GPU when it finds them
+    scattered, e.g. in flat buffers); otherwise ``flatten_parameters`` is the CPU no-op."""
 
-    def __init__(self) -> None:
+    def __init__(self, reflatten: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(TOKENS, 6, padding_idx=PAD)
         self.lstm = nn.LSTM(6, 8, num_layers=2, batch_first=True)
         self.head = nn.Linear(8, TOKENS)
+        self.reflatten = reflatten
         _flatten_into_one_blob(self.lstm)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        self.lstm.flatten_parameters()
-        out, _ = self.lstm(self.embed(ids))
-        return self.head(out)
+    def forward(
+        self, ids: torch.Tensor, hidden: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if self.reflatten:
+            _flatten_into_one_blob(self.lstm)
+        else:
+            self.lstm.flatten_parameters()
+        out, hidden = self.lstm(self.embed(ids), hidden)
+        return self.head(out), hidden
 
 
+@torch.no_grad()
 def _flatten_into_one_blob(rnn: nn.RNNBase) -> None:
     weights = [getattr(rnn, name) for name in rnn._flat_weights_names]
     blob = torch.cat([w.detach().reshape(-1) for w in weights])
     offset = 0
     for w in weights:
-        w.data = blob[offset : offset + w.numel()].view_as(w)
+        w.set_(blob[offset : offset + w.numel()].view_as(w))
         offset += w.numel()
 
 
 def char_rnn_loop(loop: Loop, reflatten: bool) -> dict:
-    """Truncated BPTT: the hidden state carried (detached) across batches. With ``reflatten``
-    the weights are moved into a new blob after wrapping (what ``flatten_parameters`` does on a
-    GPU after ``model.cuda()`` or when it finds them scattered)."""
-    model = CharRNN()
+    """Truncated BPTT: each slice's hidden state carried, detached, to its next batch."""
+    model = CharRNN(reflatten)
     params = list(model.parameters())
     opt = loop.wrap(torch.optim.Adam(model.parameters(), lr=1e-2), model)
-    if reflatten:
-        _flatten_into_one_blob(model.lstm)
+    hidden: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for step in range(3):
         loop.zero_grad(opt)
 
         def loss_of(index: int, step: int = step) -> torch.Tensor:
             generator = torch.Generator().manual_seed(10 * step + index)
             ids = torch.randint(0, TOKENS, (SLICE, 6), generator=generator)
-            logits = model(ids[:, :-1])
+            logits, state = model(ids[:, :-1], hidden.get(index))
+            hidden[index] = (state[0].detach(), state[1].detach())
             return F.cross_entropy(logits.reshape(-1, TOKENS), ids[:, 1:].reshape(-1), ignore_index=PAD)
 
         loop.backward(opt, params, loss_of)
