@@ -9,8 +9,14 @@ Note [No stale params]
     module can never run on last step's weights even if its params were registered in a
     different order than forward uses them (the cause of stale weights in Megatron-LM #950). The
     all-gathers themselves are issued in one fixed order on every rank (registration order), as
-    collectives must be. ``module.state_dict()`` and ``module.load_state_dict()`` wait the same
-    way (a pre-hook on the same modules), so saving reads and loading writes final params.
+    collectives must be. torch's own modules that read their children's params without calling
+    them (``nn.MultiheadAttention``'s ``out_proj``, the transformer layers' fast path) wait for
+    their whole subtree; without that, an encoder-decoder trained with ``out_proj`` on last
+    step's weights (1e-4 off plain torch after three steps). The wait is the first of a
+    module's pre-hooks, so one that computes from the params (the old hook-based
+    ``torch.nn.utils.weight_norm``) reads final values. ``module.state_dict()`` and
+    ``module.load_state_dict()`` wait the same way (a pre-hook on the same modules), so saving
+    reads and loading writes final params.
 
     On an accelerator a wait makes the stream current in the hook wait (on an event recorded
     after the bucket's all-gather, see Note [Streams and events]), so a forward run on another
@@ -83,6 +89,12 @@ from fusion.buffers import FlatBuffers
 from sharded_opt import collectives
 from sharded_opt.weak_hooks import WeakMethodHook, remove_handles
 
+_READS_CHILDRENS_PARAMS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+"""torch modules whose forward reads their children's params without calling the children, so
+the children's pre-hooks never run: ``MultiheadAttention`` passes ``out_proj.weight`` to
+``F.multi_head_attention_forward``, and the transformer layers' fast path (evaluation under
+``no_grad``) passes every sublayer's weights to one fused op. They wait for all their params."""
+
 
 class ParamReadyWaiter:
     """Hooks on ``model``'s modules that wait for their params' buckets (forward, state_dict,
@@ -126,13 +138,16 @@ class ParamReadyWaiter:
         self.handles: list[RemovableHandle] = [self._read_guard]
         """The hooks this waiter installed; see Note [Hook lifetimes and copies]."""
         for module in model.modules():
+            recurse = isinstance(module, _READS_CHILDRENS_PARAMS)
             buckets = tuple(
-                sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of})
+                sorted({bucket_of[id(p)] for p in module.parameters(recurse=recurse) if id(p) in bucket_of})
             )
             if buckets:
                 hook = WeakMethodHook(self._wait_for, buckets)
                 forward_hook = _ForwardWait(self._wait_for_forward, buckets, self._compiled)
-                self.handles.append(module.register_forward_pre_hook(forward_hook))
+                # First among the module's pre-hooks: one registered before wrapping may compute
+                # from the params (torch.nn.utils.weight_norm's, the old hook-based one).
+                self.handles.append(module.register_forward_pre_hook(forward_hook, prepend=True))
                 self.handles.append(module.register_state_dict_pre_hook(hook))
                 self.handles.append(module.register_load_state_dict_pre_hook(hook))
 
