@@ -338,6 +338,23 @@ class ShardingStage1(torch.optim.Optimizer):
         self._grad_tracker.accept_grad_writes()
         return total
 
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the averaged grads to ``[-clip_value, clip_value]``.
+
+        Equals ``torch.nn.utils.clip_grad_value_`` over the unsharded, averaged grads: clamping
+        is element-wise, so each rank clamps its own shard and nothing more is communicated
+        (the stock function would clamp each rank's local grads before they are averaged). Call
+        it between backward and ``step()``; it finishes the grad reduction now. ``param.grad``
+        (the local, unreduced grads) is not changed.
+        """
+        clip_value = float(clip_value)
+        self._check_params_in_buffers()
+        self._reduce_grads()
+        for grad in self._comm.local_grads():
+            grad.clamp_(-clip_value, clip_value)
+        self._grad_tracker.accept_grad_writes()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate grads of the backward passes inside the block without communicating.
@@ -684,10 +701,11 @@ class ShardingStage1(torch.optim.Optimizer):
         if written:
             raise RuntimeError(
                 f"ShardingStage1: grads of buckets {written[:8]} were modified in place after backward "
-                "(torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, p.grad.mul_(), ...). param.grad "
-                "holds this rank's local, unreduced grad (in overlap mode it is being reduced while "
-                "you write it), so the edit would be lost or differ per rank. Clip with "
-                "opt.clip_grad_norm_(max_norm), scale losses with sharded_opt.ShardedGradScaler, "
+                "(torch.nn.utils.clip_grad_norm_, clip_grad_value_, GradScaler.unscale_, p.grad.mul_(), "
+                "...). param.grad holds this rank's local, unreduced grad (in overlap mode it is being "
+                "reduced while you write it), so the edit would be lost or differ per rank. Clip with "
+                "opt.clip_grad_norm_(max_norm) or opt.clip_grad_value_(clip_value), scale losses with "
+                "sharded_opt.ShardedGradScaler, "
                 "and scale the loss instead of the grads. Call opt.zero_grad() to discard these grads"
             )
 
@@ -743,8 +761,9 @@ class ShardingStage1(torch.optim.Optimizer):
         if self._grads_reduced:
             raise RuntimeError(
                 "ShardingStage1(overlap=True): a backward ran after opt.clip_grad_norm_ (or "
-                "ShardedGradScaler.unscale_) and before step(); the grads would be reduced again "
-                "without the clipping. Clip (or unscale) after the last backward, right before step()"
+                "clip_grad_value_, ShardedGradScaler.unscale_) and before step(); the grads would be "
+                "reduced again without the clipping. Clip (or unscale) after the last backward, right "
+                "before step()"
             )
         self._comm.finish_grad_sync()
         self._presence.discard()

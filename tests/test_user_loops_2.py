@@ -545,6 +545,23 @@ def closure_loop(loop: Loop) -> dict:
     return {"params": _snapshot(model), "losses": losses}
 
 
+def clip_value_loop(loop: Loop) -> dict:
+    """Grads clamped by value before each step (RL code, old RNN scripts)."""
+    model = SmallNet()
+    params = list(model.parameters())
+    opt = loop.wrap(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model)
+    for step in range(3):
+        loop.zero_grad(opt)
+        loop.backward(opt, params, _mse(model, step))
+        if loop.sharded:
+            opt.clip_grad_value_(0.05)
+        else:
+            torch.nn.utils.clip_grad_value_(params, 0.05)
+        opt.step()
+    loop.sync(opt)
+    return {"params": _snapshot(model)}
+
+
 # -- accumulation, partial backward ----------------------------------------------------------------
 
 
@@ -772,6 +789,7 @@ def _jobs() -> dict[str, Callable[[], object]]:
         "two_wrapped_optimizers": lambda: _buffer_loops(lambda loop: two_optimizers_loop(loop, True)),
         "one_wrapped_one_plain": lambda: _buffer_loops(lambda loop: two_optimizers_loop(loop, False)),
         "closure": lambda: _both(closure_loop),
+        "clip_value": lambda: _both(clip_value_loop),
         "accumulate": lambda: _buffer_loops(accumulate_loop),
         "checkpointing_reentrant": lambda: _both(lambda loop: checkpointing_loop(loop, True)),
         "checkpointing_non_reentrant": lambda: _both(lambda loop: checkpointing_loop(loop, False)),
@@ -780,7 +798,8 @@ def _jobs() -> dict[str, Callable[[], object]]:
     }
 
 
-THREE_RANK_JOBS = ("accumulate", "deepcopy", "resume", "more_ranks")
+THREE_RANK_JOBS = ("accumulate", "resume", "more_ranks")
+"""Loops run on 3 ranks too: shards then split params and groups at other offsets."""
 
 
 def _run_all(names: tuple[str, ...] | None = None) -> dict[str, object]:
@@ -856,3 +875,34 @@ def test_resuming_from_a_saved_file_is_bitwise_the_uninterrupted_run(
         for mode in ("plain", "sync", "overlap"):
             for resumed, uninterrupted in zip(result[mode]["resumed"], result[mode]["params"], strict=True):
                 assert torch.equal(resumed, uninterrupted), f"rank {rank}, {mode}"
+
+
+def test_stock_clip_grad_value_is_refused_naming_the_wrappers(single_rank_group) -> None:
+    model = SmallNet()
+    opt = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1))
+    _mse(model, 0)(0).backward()
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+    with pytest.raises(
+        RuntimeError, match=r"modified in place after backward.*opt.clip_grad_value_\(clip_value\)"
+    ):
+        opt.step()
+
+
+def test_a_new_wrapper_over_the_same_params_takes_their_grads(single_rank_group) -> None:
+    """A notebook re-running its optimizer cell while the old wrapper is still referenced: the
+    old wrapper's grad hooks are retired (they no longer tell ownership by where ``.data``
+    lives, since ``param.data = t`` is taken back at ``step()``)."""
+    model = SmallNet()
+    reference = copy.deepcopy(model)
+    old = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True)
+    new = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        for net, opt in ((model, new), (reference, plain)):
+            opt.zero_grad()
+            _mse(net, step)(0).backward()
+            opt.step()
+    torch.testing.assert_close(_snapshot(model), _snapshot(reference), rtol=0, atol=0)
+    assert not any(old._grad_tracker.received), "the old wrapper's hooks still count grads"
+    old.close()
+    new.close()
