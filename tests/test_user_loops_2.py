@@ -1,11 +1,15 @@
 """More training loops written the way users write them (a second round after
 ``tests/test_user_loops.py``, whose :class:`Loop` harness this module reuses): copies of the
-wrapped model, weights rewritten after wrapping, parametrizations, attention and recurrent
-models, LoRA, two optimizers, closures, accumulation without ``no_sync``, gradient penalties,
-activation checkpointing with frozen layers, and resuming from a saved file.
+wrapped model, weights rewritten after wrapping (``p.data = t`` included), parametrizations,
+attention and recurrent models, LoRA, two optimizers, closures, clipping by value,
+accumulation without ``no_sync``, gradient penalties, activation checkpointing with frozen
+layers, and resuming from a saved file (also on one more rank, and from a plain torch
+optimizer's state dict).
 
 Each loop runs plain (one process, every slice), sharded sync and sharded overlap on every rank;
-all loops of a world size run in one spawn.
+all loops of a world size run in one spawn. Loops that touch params between ``step()`` and the
+next forward, or whose modules read other modules' params, run with all-gathers that land only
+when waited for, so any read that does not wait sees last step's weights.
 """
 
 from __future__ import annotations
