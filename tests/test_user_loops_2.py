@@ -309,6 +309,8 @@ class ParametrizedNet(nn.Module):
 
 
 def parametrization_loop(loop: Loop) -> dict:
+    """The custom parametrization removed after two steps (``remove_parametrizations`` sets its
+    original to the computed weight with ``set_``) and training goes on."""
     model = ParametrizedNet()
     params = list(model.parameters())
     opt = loop.wrap(torch.optim.Adam(model.parameters(), lr=1e-2), model)
@@ -316,6 +318,8 @@ def parametrization_loop(loop: Loop) -> dict:
         loop.zero_grad(opt)
         loop.backward(opt, params, _mse(model, step), module=model)
         opt.step()
+        if step == 1:
+            parametrize.remove_parametrizations(model.square, "weight")
     loop.sync(opt)
     buffers = [b.clone() for b in model.buffers()] if loop.rank == 0 else []
     return {"params": _snapshot(model), "buffers": buffers}
