@@ -120,6 +120,17 @@ class FlatBuffers:
         param.grad = view
         return True
 
+    def adopt_param(self, param_index: int) -> None:
+        """Copy the values of a param whose ``.data`` was replaced (``param.data = t``) into its
+        slot and make ``.data`` the slot's view again. The replacement must have the param's
+        shape, dtype and device (see :meth:`conversion_of`)."""
+        param, view = self.params[param_index], self.param_views[param_index]
+        if view is None or param.shape != view.shape or self.conversion_of(param_index) is not None:
+            raise RuntimeError(f"FlatBuffers.adopt_param: param {param_index} no longer fits its slot")
+        with torch.no_grad():
+            view.copy_(param.data)
+        param.data = view
+
     def conversion_of(self, param_index: int) -> str | None:
         """How a param's dtype or device now differs from what it was laid out as (after
         ``model.half()`` or ``model.to(device)``, which replace ``param.data``), or None."""

@@ -50,7 +50,7 @@ Note [Launching reductions during backward]
 Note [Hook cost]
     A model of 10,000 scalar params runs 10,000 hooks per backward, so every call the hook
     makes shows (see ``benchmarks/small_params.py``). The hook is a slotted object holding what
-    it needs precomputed (its param's index, bucket, data pointer and grad view) and a plain
+    it needs precomputed (its param's index, bucket and grad view) and a plain
     ``weakref.ref`` to the tracker; the body reads the tracker's state directly instead of
     calling a bound method through ``weakref.WeakMethod`` (a Python-level call that builds a
     bound method and an argument tuple each time, which cost more than the rest of the body).
@@ -157,6 +157,7 @@ class GradReadyTracker:
         self._laid_out_params = [buffers.params[index] for index in buffers.laid_out_indices]
         self._requires_grad_at_scan: bytes | None = None
         self._iteration = 0
+        _retire_older_hooks(self._laid_out_params)
         self.scan()
         self.reset()
 
@@ -332,11 +333,11 @@ class GradReadyTracker:
 
 class _AccumulateGradHook(CopiesAsInert):
     """The post-accumulate-grad hook of one param: records the grad for its tracker, see Note
-    [Hook cost]. Refers to the tracker weakly and does nothing once it is gone or once the
-    param's data lives elsewhere (another wrapper took it); copies and pickles are
-    :class:`~sharded_opt.weak_hooks.InertHook` (Note [Hook lifetimes and copies])."""
+    [Hook cost]. Refers to the tracker weakly and does nothing once it is gone or once it is
+    retired (a newer tracker took the param, see :func:`_retire_older_hooks`); copies and
+    pickles are :class:`~sharded_opt.weak_hooks.InertHook` (Note [Hook lifetimes and copies])."""
 
-    __slots__ = ("_tracker", "_index", "_bucket_index", "_data_ptr", "_grad_view")
+    __slots__ = ("_tracker", "_index", "_bucket_index", "_grad_view", "retired")
 
     def __init__(self, tracker: GradReadyTracker, index: int, bucket_index: int) -> None:
         buffers = tracker._buffers
@@ -346,12 +347,12 @@ class _AccumulateGradHook(CopiesAsInert):
         self._tracker = weakref.ref(tracker)
         self._index = index
         self._bucket_index = bucket_index
-        self._data_ptr = buffers.param_views[index].data_ptr()
         self._grad_view = grad_view
+        self.retired = False
 
     def __call__(self, param: Tensor) -> None:
         tracker = self._tracker()
-        if tracker is None or param.data_ptr() != self._data_ptr:
+        if tracker is None or self.retired:
             return
         index, bucket_index = self._index, self._bucket_index
         if param.grad is not self._grad_view:
@@ -365,3 +366,16 @@ class _AccumulateGradHook(CopiesAsInert):
             tracker.scan()
         if tracker._start_grad_sync is not None and not tracker.accumulate_only:
             tracker._count(index, bucket_index)
+
+
+def _retire_older_hooks(params: list[Tensor]) -> None:
+    """Silence the hooks an older tracker (a previous wrapper still alive, not yet closed or
+    collected) left on ``params``: the params' grads now belong to the new tracker's buffers.
+    Ownership is decided here, once, and not by where ``param.data`` lives, so a param whose
+    data the user replaced (Note [Params replaced after wrapping] in ``sharded_opt/optimizer.py``)
+    keeps reporting its grads."""
+    for param in params:
+        hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+        for hook in hooks.values():
+            if isinstance(hook, _AccumulateGradHook):
+                hook.retired = True

@@ -28,6 +28,21 @@ Note [Step pipeline]
     latter queues them in backward order, and gloo runs a group's collectives in issue order,
     so the next forward's first module (last bucket) would wait for every all-gather; see
     ``benchmarks/results/2026-12-03-pipeline-cpu-2core.md`` for both measured.
+
+Note [Params replaced after wrapping]
+    Code outside the wrapper replaces ``param.data`` rather than writing into it: WGAN and
+    old scripts write ``p.data = p.data.clamp(-c, c)``, weight loading code assigns
+    ``p.data = tensor``, and cuDNN's ``flatten_parameters`` on a GPU moves an RNN's weights into
+    a new blob of its own (after ``model.cuda()``, or when it finds them scattered). In plain
+    torch the param simply holds the new values from then on. Here the optimizer steps the flat
+    buffer, so ``step()`` (and ``clip_grad_norm_``) first takes such a param back: the new
+    values are copied into its slot and ``.data`` is pointed at the slot again, as
+    ``adopt_grad`` does for an assigned grad. Its grads keep flowing meanwhile: a param's grad
+    hook stops reporting only when a newer wrapper takes the param, never because ``.data``
+    moved. What cannot be taken back raises: a new dtype or device (``model.half()``,
+    ``model.to(...)``), a new shape, or memory of another param (``a.data = b.data`` ties two
+    params, which separate slots cannot). Every rank must replace alike, as every write to
+    params must be.
 """
 
 from __future__ import annotations
@@ -65,6 +80,7 @@ from sharded_opt.strategy import Strategy
 from sharded_opt.streams import on_stream
 from sharded_opt.validation import (
     ELEMENTWISE_OPTIMIZERS,
+    check_dense_grads,
     check_optimizer,
     check_same_layout,
     collect_params,
@@ -109,7 +125,8 @@ class ShardingStage1(torch.optim.Optimizer):
     Raises:
         TypeError: ``optimizer`` is not a supported ``torch.optim.Optimizer``; bad argument types
             (``device_mesh`` that is not a ``DeviceMesh``).
-        ValueError: no trainable params, duplicate or sparse params, params on several devices,
+        ValueError: no trainable params, duplicate or sparse params, a ``model`` module that
+            makes sparse grads (``nn.Embedding(sparse=True)``), params on several devices,
             ranks with different params, an optimizer that already stepped or is already wrapped;
             a ``degree`` that does not divide the world size, a ``device_mesh`` that is not 2-D or
             comes with ``process_group`` or ``degree``.
@@ -137,6 +154,8 @@ class ShardingStage1(torch.optim.Optimizer):
         check_optimizer(optimizer, assume_elementwise)
         _check_not_stepped(optimizer)
         params, specs = collect_params(optimizer)
+        if model is not None:
+            check_dense_grads(model, params)
         groups = resolve_shard_groups(process_group, config.degree, device_mesh, config.enable)
         group, rank, world_size = groups.world, dist.get_rank(groups.world), dist.get_world_size(groups.world)
         check_same_layout(specs, group, world_size)
@@ -319,6 +338,23 @@ class ShardingStage1(torch.optim.Optimizer):
         self._grad_tracker.accept_grad_writes()
         return total
 
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the averaged grads to ``[-clip_value, clip_value]``.
+
+        Equals ``torch.nn.utils.clip_grad_value_`` over the unsharded, averaged grads: clamping
+        is element-wise, so each rank clamps its own shard and nothing more is communicated
+        (the stock function would clamp each rank's local grads before they are averaged). Call
+        it between backward and ``step()``; it finishes the grad reduction now. ``param.grad``
+        (the local, unreduced grads) is not changed.
+        """
+        clip_value = float(clip_value)
+        self._check_params_in_buffers()
+        self._reduce_grads()
+        for grad in self._comm.local_grads():
+            grad.clamp_(-clip_value, clip_value)
+        self._grad_tracker.accept_grad_writes()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate grads of the backward passes inside the block without communicating.
@@ -401,11 +437,13 @@ class ShardingStage1(torch.optim.Optimizer):
         wait too. See Note [No stale params] for the contract.
 
         Raises:
-            ValueError: ``model`` does not own all the optimizer's trainable params, or a model
-                is already attached.
+            ValueError: ``model`` does not own all the optimizer's trainable params, a module of
+                it makes sparse grads for them (``nn.Embedding(sparse=True)``), or a model is
+                already attached.
         """
         if self._param_waiter is not None:
             raise ValueError("ShardingStage1.attach: a model is already attached to this optimizer")
+        check_dense_grads(model, self._buffers.params)
         waiter = ParamReadyWaiter(model, self._buffers, self._comm.finish_param_sync)
         self._broadcast_model_state(model)
         if self._broadcast_buffers and self.world_size > 1 and next(model.buffers(), None) is not None:
@@ -573,7 +611,11 @@ class ShardingStage1(torch.optim.Optimizer):
             )
 
     def _check_params_in_buffers(self) -> None:
+        """Take back params whose ``.data`` was replaced, or raise where that cannot be right;
+        see Note [Params replaced after wrapping]."""
         moved = self._buffers.detached_params()
+        if not moved:
+            return
         converted = [(index, self._buffers.conversion_of(index)) for index in sorted(moved)]
         converted = [(index, change) for index, change in converted if change is not None]
         if converted:
@@ -584,12 +626,28 @@ class ShardingStage1(torch.optim.Optimizer):
                 "no longer lives in the flat buffers and updates would be lost. Cast or move the "
                 "model before building the optimizer and wrapping it"
             )
-        if moved:
+        params, views = self._buffers.params, self._buffers.param_views
+        reshaped = [index for index in sorted(moved) if params[index].shape != views[index].shape]
+        if reshaped:
+            index = reshaped[0]
             raise RuntimeError(
-                f"ShardingStage1: params {moved[:8]} (optimizer order) no longer live in the flat "
-                "buffers (was `param.data = ...` assigned?), so updates would be lost. Modify params "
-                "in place instead (`with torch.no_grad(): param.copy_(new)`)"
+                f"ShardingStage1: `param.data = ...` gave param {index} (optimizer order) the shape "
+                f"{tuple(params[index].shape)} but it was laid out as {tuple(views[index].shape)}; the "
+                "optimizer's state and the flat buffers cannot change shape. Resize the model before "
+                "building the optimizer and wrapping it, or build a new optimizer and wrapper"
             )
+        flat = {buffer.untyped_storage().data_ptr() for buffer in self._buffers.param_buffers}
+        aliased = [index for index in sorted(moved) if params[index].untyped_storage().data_ptr() in flat]
+        if aliased:
+            raise RuntimeError(
+                f"ShardingStage1: params {aliased[:8]} (optimizer order) were pointed at another "
+                "param's memory (`param.data = other.data`); the wrapper keeps every param in a slot "
+                "of its own, so the two would no longer be tied. Tie params before building the "
+                "optimizer (`module.weight = other.weight`) and wrap it then"
+            )
+        self.sync_params()  # an all-gather still running must not land over the adopted values
+        for index in moved:
+            self._buffers.adopt_param(index)
 
     def _amp_scaling_arguments(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``found_inf`` and ``grad_scale`` set by a ``GradScaler`` driving this step, see Note
@@ -644,10 +702,11 @@ class ShardingStage1(torch.optim.Optimizer):
         if written:
             raise RuntimeError(
                 f"ShardingStage1: grads of buckets {written[:8]} were modified in place after backward "
-                "(torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, p.grad.mul_(), ...). param.grad "
-                "holds this rank's local, unreduced grad (in overlap mode it is being reduced while "
-                "you write it), so the edit would be lost or differ per rank. Clip with "
-                "opt.clip_grad_norm_(max_norm), scale losses with sharded_opt.ShardedGradScaler, "
+                "(torch.nn.utils.clip_grad_norm_, clip_grad_value_, GradScaler.unscale_, p.grad.mul_(), "
+                "...). param.grad holds this rank's local, unreduced grad (in overlap mode it is being "
+                "reduced while you write it), so the edit would be lost or differ per rank. Clip with "
+                "opt.clip_grad_norm_(max_norm) or opt.clip_grad_value_(clip_value), scale losses with "
+                "sharded_opt.ShardedGradScaler, "
                 "and scale the loss instead of the grads. Call opt.zero_grad() to discard these grads"
             )
 
@@ -703,8 +762,9 @@ class ShardingStage1(torch.optim.Optimizer):
         if self._grads_reduced:
             raise RuntimeError(
                 "ShardingStage1(overlap=True): a backward ran after opt.clip_grad_norm_ (or "
-                "ShardedGradScaler.unscale_) and before step(); the grads would be reduced again "
-                "without the clipping. Clip (or unscale) after the last backward, right before step()"
+                "clip_grad_value_, ShardedGradScaler.unscale_) and before step(); the grads would be "
+                "reduced again without the clipping. Clip (or unscale) after the last backward, right "
+                "before step()"
             )
         self._comm.finish_grad_sync()
         self._presence.discard()

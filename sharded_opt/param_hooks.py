@@ -9,8 +9,11 @@ Note [No stale params]
     module can never run on last step's weights even if its params were registered in a
     different order than forward uses them (the cause of stale weights in Megatron-LM #950). The
     all-gathers themselves are issued in one fixed order on every rank (registration order), as
-    collectives must be. ``module.state_dict()`` and ``module.load_state_dict()`` wait the same
-    way (a pre-hook on the same modules), so saving reads and loading writes final params.
+    collectives must be. The wait is the first of a module's pre-hooks, so one registered
+    before wrapping that computes from the params (the old hook-based
+    ``torch.nn.utils.weight_norm``) reads final values. ``module.state_dict()`` and
+    ``module.load_state_dict()`` wait the same way (a pre-hook on the same modules), so saving
+    reads and loading writes final params.
 
     On an accelerator a wait makes the stream current in the hook wait (on an event recorded
     after the bucket's all-gather, see Note [Streams and events]), so a forward run on another
@@ -45,6 +48,13 @@ Note [Reads right after step]
     stays into backward, where the grad hooks' every tensor access would pass through it. Each
     watched call costs about 3 microseconds of Python, only while all-gathers are pending,
     i.e. between ``step()`` and the end of the next forward.
+
+    torch's own modules that hand their children's params to one op without calling the
+    children (``nn.MultiheadAttention``'s ``out_proj``, the transformer layers' fast path in
+    evaluation) take that fast path only while no torch function mode is active, so plain torch
+    and the wrapper would compute differently there. They wait for their whole subtree when
+    they start and set the mode aside until they end (an encoder-decoder trained 1e-4 off
+    plain torch when ``out_proj`` was read stale).
 
     The mode goes to the bottom of the mode stack, not the top: a ``with`` block of another
     mode (``with torch.device(...):``) around ``step()`` then pops its own mode when it ends,
@@ -88,6 +98,17 @@ from torch.utils.hooks import RemovableHandle
 from fusion.buffers import FlatBuffers
 from sharded_opt import collectives
 from sharded_opt.weak_hooks import WeakMethodHook, remove_handles
+
+_READS_CHILDRENS_PARAMS = (
+    nn.MultiheadAttention,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+    nn.TransformerEncoder,
+)
+"""torch modules whose forward hands their children's params to one op without calling the
+children (``MultiheadAttention``'s ``out_proj``, the transformer layers' and encoder's fast path in
+evaluation), and take that fast path only while no torch function mode is active. They wait for
+their whole subtree and run with the read guard set aside, see Note [Reads right after step]."""
 
 
 class ParamReadyWaiter:
@@ -136,13 +157,21 @@ class ParamReadyWaiter:
         ]
         """The hooks this waiter installed; see Note [Hook lifetimes and copies]."""
         for module in model.modules():
+            fused = isinstance(module, _READS_CHILDRENS_PARAMS)
             buckets = tuple(
-                sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of})
+                sorted({bucket_of[id(p)] for p in module.parameters(recurse=fused) if id(p) in bucket_of})
             )
             if buckets:
                 hook = WeakMethodHook(self._wait_for, buckets)
-                forward_hook = _ForwardWait(self._wait_for, buckets, self._compiled)
-                self.handles.append(module.register_forward_pre_hook(forward_hook))
+                forward_hook = _ForwardWait(
+                    self._wait_and_set_guard_aside if fused else self._wait_for, buckets, self._compiled
+                )
+                # First among the module's pre-hooks: one registered before wrapping may compute
+                # from the params (the old hook-based torch.nn.utils.weight_norm).
+                self.handles.append(module.register_forward_pre_hook(forward_hook, prepend=True))
+                if fused:
+                    restore = _EagerOnly(self._restore_guard)
+                    self.handles.append(module.register_forward_hook(restore, always_call=True))
                 self.handles.append(module.register_state_dict_pre_hook(hook))
                 self.handles.append(module.register_load_state_dict_pre_hook(hook))
 
@@ -157,7 +186,7 @@ class ParamReadyWaiter:
         see Note [Writes while params are gathered]."""
         for index in bucket_indices:
             self._gathered_versions[index] = self._versions(index)
-        self._read_guard.watch(frozenset(self._gathered_versions))
+        self._read_guard.start(frozenset(self._gathered_versions))
 
     def finish(self, bucket_indices: Iterable[int] | None = None) -> None:
         """Wait for the all-gathers of ``bucket_indices`` (default: all).
@@ -194,6 +223,13 @@ class ParamReadyWaiter:
 
     def _wait_for(self, buckets: tuple[int, ...], module: nn.Module, *hook_args: object) -> None:
         self.finish(buckets)
+
+    def _wait_and_set_guard_aside(self, buckets: tuple[int, ...], module: nn.Module, args: tuple) -> None:
+        self.finish(buckets)
+        self._read_guard.set_aside(True)
+
+    def _restore_guard(self, module: nn.Module, args: tuple, output: object) -> None:
+        self._read_guard.set_aside(False)
 
     def _end_of_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         """The model's forward is done: what it did not wait for (a skipped branch's buckets)
@@ -255,21 +291,37 @@ class _ReadGuard(TorchFunctionMode):
         }
         self._finish = weakref.WeakMethod(finish)
         self._pending: frozenset[int] = frozenset()
-        self._handling = False
+        self._handling = 0
+        """Depth of this mode's own handler (torch takes the mode off the stack while it runs,
+        including the function it calls: a module called inside a checkpointed function)."""
+        self._aside = 0
+        """How many modules of ``_READS_CHILDRENS_PARAMS`` are running (the mode is off then)."""
+
+    def start(self, pending: frozenset[int]) -> None:
+        """``step()`` issued all-gathers: watch them (no module is running now)."""
+        self._aside = 0
+        self.watch(pending)
+
+    def set_aside(self, aside: bool) -> None:
+        """Leave the stack while a module of ``_READS_CHILDRENS_PARAMS`` runs (its subtree is
+        current), so its fast path sees no torch function mode; come back after it."""
+        self._aside = self._aside + 1 if aside else max(0, self._aside - 1)
+        self.watch(self._pending)
 
     def watch(self, pending: frozenset[int]) -> None:
         """Watch reads of the buckets in ``pending`` (their all-gathers are running); with none,
         stop and leave the mode stack. Inside this mode's own handler torch has taken it off
         the stack and puts it back afterwards, so the stack is left alone there (a later call
-        removes it)."""
+        outside it removes it)."""
         self._pending = pending
         if self._handling:
             return
         modes = _function_modes()
         on_stack = any(mode is self for mode in modes)
-        if pending and not on_stack:
+        wanted = bool(pending) and not self._aside
+        if wanted and not on_stack:
             _set_function_modes([self, *modes])
-        elif not pending and on_stack:
+        elif not wanted and on_stack:
             _set_function_modes([mode for mode in modes if mode is not self])
 
     def remove(self) -> None:
@@ -277,18 +329,18 @@ class _ReadGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
         kwargs = kwargs or {}
-        if self._pending and func not in _METADATA_FUNCTIONS:
-            touched = self._pending_buckets_in(args, set())
-            self._pending_buckets_in(kwargs.values(), touched)
-            finish = self._finish() if touched else None
-            if finish is not None:
-                self._handling = True
-                try:
+        self._handling += 1
+        try:
+            if self._pending and not self._aside and func not in _METADATA_FUNCTIONS:
+                touched = self._pending_buckets_in(args, set())
+                self._pending_buckets_in(kwargs.values(), touched)
+                finish = self._finish() if touched else None
+                if finish is not None:
                     # A wait inside a compiled region is a graph break: wait for all at once.
                     finish(None if torch.compiler.is_compiling() else sorted(touched))
-                finally:
-                    self._handling = False
-        return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        finally:
+            self._handling -= 1
 
     def _pending_buckets_in(self, values: Iterable[object], touched: set[int]) -> set[int]:
         for value in values:

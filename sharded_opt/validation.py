@@ -7,7 +7,7 @@ import datetime
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from fusion.layout import ParamSpec
@@ -84,6 +84,25 @@ def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list
             "the model to one device (the rank's own) before building the optimizer"
         )
     return params, specs
+
+
+def check_dense_grads(model: nn.Module, params: list[Tensor]) -> None:
+    """Refuse modules of ``model`` that give the optimizer's params sparse grads
+    (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``): autograd would add each
+    sparse grad into the param's dense flat grad view, silently giving up the memory the user
+    asked sparse grads for, and an optimizer that refuses sparse grads (Adam) would train
+    instead of raising as it does in plain torch."""
+    trained = {id(param) for param in params}
+    for name, module in model.named_modules():
+        sparse = isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+        if sparse and id(module.weight) in trained:
+            raise ValueError(
+                f"ShardingStage1 expects dense grads but {name or 'the model'} "
+                f"({type(module).__name__}) has sparse=True; the wrapper reduces flat dense grad "
+                "buffers, so build it with sparse=False (its grads then cost the weight's size), or "
+                "keep the sparse module out of the wrapped optimizer and train it with "
+                "torch.optim.SparseAdam, averaging its grads yourself"
+            )
 
 
 def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGroup, int, int]:

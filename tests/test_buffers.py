@@ -323,6 +323,27 @@ def test_detached_params():
     assert sorted(flat.detached_params()) == [0, 4]
 
 
+def test_adopt_param_copies_the_replacement_into_the_slot():
+    """``param.data = t`` (WGAN's ``p.data = p.data.clamp(...)``, cuDNN's re-flattening): the
+    values of ``t`` go into the slot and ``.data`` is the slot's view again."""
+    params = mixed_params()
+    _, flat = wrap(params)
+    replacement = torch.randn(params[0].shape).t().contiguous().t()  # other strides than the slot
+    params[0].data = replacement
+    flat.adopt_param(0)
+    assert flat.detached_params() == []
+    assert params[0].data_ptr() == flat.param_views[0].data_ptr()
+    assert torch.equal(params[0], replacement)
+
+
+def test_adopt_param_refuses_another_shape():
+    params = mixed_params()
+    _, flat = wrap(params)
+    params[4].data = torch.zeros(params[4].numel() + 1)
+    with pytest.raises(RuntimeError, match="no longer fits its slot"):
+        flat.adopt_param(4)
+
+
 # --------------------------------------------------------------------------------------------
 # Autograd
 

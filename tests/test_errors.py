@@ -86,10 +86,17 @@ def _attach_foreign_model() -> None:
     ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True).attach(nn.Linear(2, 2))
 
 
-def _param_data_reassigned() -> None:
+def _param_data_resized() -> None:
     model = make_model()
     optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1))
-    model.fc1.weight.data = torch.zeros_like(model.fc1.weight)
+    model.fc1.weight.data = torch.zeros(3, 3)
+    optimizer.step()
+
+
+def _param_data_tied_to_another_param() -> None:
+    model = make_model()
+    optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1))
+    model.fc1.bias.data = model.fc2.weight.data[0, :24]
     optimizer.step()
 
 
@@ -178,8 +185,11 @@ CASES = [
              "add every param group to the torch optimizer first"),
     BadInput("attach_model_not_owning_params", _attach_foreign_model, ValueError,
              "model that owns the optimizer's params but 8 param"),
-    BadInput("param_data_reassigned", _param_data_reassigned, RuntimeError,
-             r"no longer live in the flat buffers .*param.data = "),
+    BadInput("param_data_resized", _param_data_resized, RuntimeError,
+             r"`param.data = ...` gave param \d+ \(optimizer order\) the shape \(3, 3\) but it was laid "
+             r"out as \(24, \d+\).*build a new optimizer and wrapper"),
+    BadInput("param_data_tied_to_another_param", _param_data_tied_to_another_param, RuntimeError,
+             r"were pointed at another param's memory \(`param.data = other.data`\).*Tie params before"),
     BadInput("model_cast_after_wrapping", _model_cast_after_wrapping, RuntimeError,
              r"param 0 \(optimizer order\) is now torch.float16 but was laid out as torch.float32 .*"
              "Cast or move the model before building the optimizer and wrapping it"),
