@@ -483,6 +483,58 @@ def reads_ahead_loop(loop: Loop) -> dict:
     return {"params": _snapshot(model), "modes_after_forward": max(modes_after_forward)}
 
 
+class PaddedEncoder(nn.Module):
+    """``nn.TransformerEncoder`` over padded sequences: in evaluation under ``no_grad`` torch
+    takes its fused fast path (nested tensors from the padding mask, zeros at padded positions)
+    only while no torch function mode is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(6, WIDTH)
+        layer = nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+        self.head = nn.Linear(WIDTH, 40)  # a bucket of its own, still pending when the encoder runs
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x), src_key_padding_mask=padding))
+
+
+def _padded(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * step + index)
+    x, y = torch.randn(SLICE, 5, 6, generator=generator), torch.randn(SLICE, 5, 40, generator=generator)
+    lengths = torch.randint(2, 6, (SLICE,), generator=generator)
+    return x, y, torch.arange(5) >= lengths[:, None]
+
+
+def padded_encoder_loop(loop: Loop) -> dict:
+    """Train on padded sequences, evaluate under ``no_grad`` right after each ``step()`` while
+    its all-gathers are pending: the evaluation takes torch's fast path, as in plain torch."""
+    model = PaddedEncoder()
+    params = list(model.parameters())
+    opt = loop.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+
+    def loss_of(step: int) -> Callable[[int], torch.Tensor]:
+        def loss(index: int) -> torch.Tensor:
+            x, y, padding = _padded(step, index)
+            return F.mse_loss(model(x, padding)[~padding], y[~padding])
+
+        return loss
+
+    evals = []
+    for step in range(3):
+        loop.zero_grad(opt)
+        loop.backward(opt, params, loss_of(step))
+        opt.step()
+        model.eval()
+        with torch.no_grad():
+            x, _, padding = _padded(99, 0)
+            evals.append(model(x, padding))
+        model.train()
+    loop.sync(opt)
+    return {"params": _snapshot(model), "evals": evals}
+
+
 def _late_gathers(loop_fn: Callable[[Loop], object], **kwargs) -> dict[str, object]:
     with mock.patch.object(collectives, "all_gather", _late_all_gather):
         return _both(loop_fn, **kwargs)
@@ -581,6 +633,7 @@ def _jobs() -> dict[str, Callable[[], dict]]:
         "compile_later": lambda: _late_gathers(compile_later_loop),
         "device_block": lambda: _late_gathers(device_block_loop),
         "reads_ahead": lambda: _late_gathers(reads_ahead_loop, bucket_size_mb=0.0001),
+        "padded_encoder_eval": lambda: _late_gathers(padded_encoder_loop),
     }
     for name in SCHEDULERS:
         for before in (False, True):
