@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import traceback
 from collections.abc import Callable
 from unittest import mock
 
@@ -649,16 +650,22 @@ THREE_RANK_JOBS = ("nanogpt", "finetune", "dcgan_tutorial", "ema")
 """Loops run on 3 ranks too: shards then split params and groups at other offsets."""
 
 
-def _run_all(names: tuple[str, ...] | None = None) -> dict[str, object]:
-    results = {}
-    for name, job in _jobs().items():
+def run_loop_jobs(jobs: dict[str, Callable[[], object]], names: tuple[str, ...] | None) -> dict[str, object]:
+    """Run ``jobs`` (only ``names`` if given) on this rank; a job that raises is reported by
+    its test as the error and its traceback, the others still run."""
+    results: dict[str, object] = {}
+    for name, job in jobs.items():
         if names is not None and name not in names:
             continue
         try:
             results[name] = job()
         except Exception as error:  # noqa: BLE001 - reported per loop by its test
-            results[name] = f"{type(error).__name__}: {error}"
+            results[name] = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
     return results
+
+
+def _run_all(names: tuple[str, ...] | None = None) -> dict[str, object]:
+    return run_loop_jobs(_jobs(), names)
 
 
 @pytest.fixture(scope="module")

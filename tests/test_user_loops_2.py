@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import traceback
 import warnings
 from collections.abc import Callable
 from unittest import mock
@@ -45,6 +44,7 @@ from tests.test_user_loops import (
     _mse,
     _snapshot,
     _xy,
+    run_loop_jobs,
 )
 
 
@@ -811,15 +811,7 @@ THREE_RANK_JOBS = ("accumulate", "resume", "more_ranks")
 
 
 def _run_all(names: tuple[str, ...] | None = None) -> dict[str, object]:
-    results = {}
-    for name, job in _jobs().items():
-        if names is not None and name not in names:
-            continue
-        try:
-            results[name] = job()
-        except Exception as error:  # noqa: BLE001 - reported per loop by its test
-            results[name] = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
-    return results
+    return run_loop_jobs(_jobs(), names)
 
 
 @pytest.fixture(scope="module")
