@@ -46,28 +46,52 @@ def _load_continue(path: str, overlap: bool, mixed: bool) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize(
-    ("saved_on", "loaded_on", "overlap", "mixed"),
-    [
-        (2, 2, True, False),
-        (2, 1, False, False),
-        (2, 3, True, False),
-        (3, 2, False, False),
-        (2, 2, True, True),
-    ],
-    ids=["2to2", "2to1", "2to3", "3to2", "2to2_bf16_fp32_master"],
-)
-def test_checkpoint_reshards(
-    tmp_path: Path, saved_on: int, loaded_on: int, overlap: bool, mixed: bool
-) -> None:
+RESHARD_CASES = {
+    "2to2": (2, 2, True, False),
+    "2to1": (2, 1, False, False),
+    "2to3": (2, 3, True, False),
+    "3to2": (3, 2, False, False),
+    "2to2_bf16_fp32_master": (2, 2, True, True),
+}
+"""Per case: ranks that save, ranks that load, overlap when saving (loading uses the other
+mode), bf16 params on fp32 masters."""
+
+
+def _each(fn, jobs: list[tuple[str, bool, bool]]) -> list[list[torch.Tensor]]:
+    return [fn(*job) for job in jobs]
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list, list]]:
+    """Every case's uninterrupted run and resumed runs, with one spawn per world size and phase
+    (each spawn costs seconds; the cases of one world size run one after another in it)."""
+    root = tmp_path_factory.mktemp("reshard")
+    paths = {name: root / name / "ckpt" for name in RESHARD_CASES}
+    uninterrupted, resumed = {}, {}
+    for world_size in sorted({saved_on for saved_on, *_ in RESHARD_CASES.values()}):
+        names = [name for name, (saved_on, *_) in RESHARD_CASES.items() if saved_on == world_size]
+        jobs = [(str(paths[name]), *RESHARD_CASES[name][2:]) for name in names]
+        per_rank = run_ranks(_each, world_size, _train_save_continue, jobs)
+        uninterrupted.update(zip(names, per_rank[0], strict=True))
+    for world_size in sorted({loaded_on for _, loaded_on, *_ in RESHARD_CASES.values()}):
+        names = [name for name, (_, loaded_on, *_) in RESHARD_CASES.items() if loaded_on == world_size]
+        jobs = [(str(paths[name]), not RESHARD_CASES[name][2], RESHARD_CASES[name][3]) for name in names]
+        per_rank = run_ranks(_each, world_size, _load_continue, jobs)
+        for index, name in enumerate(names):
+            resumed[name] = [rank_results[index] for rank_results in per_rank]
+    return {name: (paths[name], uninterrupted[name], resumed[name]) for name in RESHARD_CASES}
+
+
+@pytest.mark.parametrize("name", RESHARD_CASES)
+def test_checkpoint_reshards(resharded, name: str) -> None:
     """With bf16 params the fp32 master shards are part of the checkpoint, so resuming on the
     same number of ranks is still bitwise."""
-    path = str(tmp_path / "ckpt")
-    uninterrupted = run_ranks(_train_save_continue, saved_on, path, overlap, mixed)[0]
-    assert (tmp_path / "ckpt" / ".metadata").is_file()
-    assert not (tmp_path / "ckpt.partial").exists()
-    for resumed in run_ranks(_load_continue, loaded_on, path, not overlap, mixed):
-        for got, want in zip(resumed, uninterrupted, strict=True):
+    path, uninterrupted, resumed = resharded[name]
+    saved_on, loaded_on, _, _ = RESHARD_CASES[name]
+    assert (path / ".metadata").is_file()
+    assert not path.with_name("ckpt.partial").exists()
+    for rank_params in resumed:
+        for got, want in zip(rank_params, uninterrupted, strict=True):
             if saved_on == loaded_on:
                 assert torch.equal(got, want)
             else:
