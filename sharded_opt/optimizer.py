@@ -237,7 +237,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._broadcast_buffers = config.broadcast_buffers
         self._track_hooks()
         if model is not None:
-            self.attach(model)
+            self._attach(model)  # its grads were checked to be dense above, before any collective
         self._mark_wrapped(optimizer)
 
     # -- training loop ---------------------------------------------------------------------
@@ -444,6 +444,9 @@ class ShardingStage1(torch.optim.Optimizer):
         if self._param_waiter is not None:
             raise ValueError("ShardingStage1.attach: a model is already attached to this optimizer")
         check_dense_grads(model, self._buffers.params)
+        self._attach(model)
+
+    def _attach(self, model: nn.Module) -> None:
         waiter = ParamReadyWaiter(model, self._buffers, self._comm.finish_param_sync)
         self._broadcast_model_state(model)
         if self._broadcast_buffers and self.world_size > 1 and next(model.buffers(), None) is not None:

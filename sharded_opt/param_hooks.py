@@ -151,7 +151,6 @@ class ParamReadyWaiter:
         self._compiled = _CompiledForward()
         self._read_guard = _ReadGuard(buffers.param_buffers, self.finish)
         self.handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(_EagerOnly(self._tidy_read_guard), prepend=True),
             model.register_forward_hook(_EagerOnly(self._end_of_forward)),
             self._read_guard,
         ]
@@ -236,11 +235,6 @@ class ParamReadyWaiter:
         landed long ago; waiting for it now ends the read guard before backward, see Note
         [Reads right after step]."""
         self.finish()
-
-    def _tidy_read_guard(self, module: nn.Module, args: tuple) -> None:
-        """The model's forward starts: a guard that stopped watching inside its own handler
-        leaves the mode stack now (Note [Reads right after step])."""
-        self._read_guard.watch(frozenset(self._gathered_versions))
 
     def _versions(self, bucket_index: int) -> tuple[int, ...]:
         params = self._buffers.params

@@ -33,7 +33,6 @@ from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
 from tests.dist_helper import run_ranks
 from tests.test_ddp_habits import _late_all_gather
 from tests.test_user_loops import (
-    FP32_TOLERANCE,
     SLICE,
     Loop,
     SmallNet,
@@ -44,6 +43,7 @@ from tests.test_user_loops import (
     _mse,
     _snapshot,
     _xy,
+    assert_matches_plain,
     run_loop_jobs,
 )
 
@@ -826,23 +826,12 @@ def outcomes_on_three() -> list[dict[str, object]]:
 
 @pytest.mark.parametrize("name", sorted(set(_jobs()) - {"more_ranks"}))
 def test_user_loop_matches_plain_torch(outcomes, name: str) -> None:
-    _assert_matches_plain(outcomes, name)
+    assert_matches_plain(outcomes, name)
 
 
 @pytest.mark.parametrize("name", THREE_RANK_JOBS)
 def test_user_loop_on_three_ranks_matches_plain_torch(outcomes_on_three, name: str) -> None:
-    _assert_matches_plain(outcomes_on_three, name)
-
-
-def _assert_matches_plain(outcomes: list[dict[str, object]], name: str) -> None:
-    for rank, results in enumerate(outcomes):
-        result = results[name]
-        assert not isinstance(result, str), f"rank {rank}: {result}"
-        for mode in [m for m in result if m != "plain"]:
-            where = f"rank {rank}, {mode}"
-            torch.testing.assert_close(
-                result[mode], result["plain"], **FP32_TOLERANCE, msg=lambda m, where=where: f"{where}: {m}"
-            )
+    assert_matches_plain(outcomes_on_three, name)
 
 
 @pytest.mark.parametrize("attach_later", [False, True])
