@@ -1,10 +1,17 @@
 from __future__ import annotations
 
+import multiprocessing
 import socket
 from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
+
+from tests.dist_helper import PRELOADED_MODULES
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    multiprocessing.set_forkserver_preload(PRELOADED_MODULES)
 
 
 @pytest.fixture

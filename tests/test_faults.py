@@ -35,7 +35,7 @@ from sharded_opt import (
 )
 from sharded_opt import checkpoint as checkpoint_module
 from tests import soak
-from tests.dist_helper import run_ranks
+from tests.dist_helper import START_METHOD, run_ranks
 from tests.training import batch, local_slice, make_model, make_optimizer
 
 STEPS = 12
@@ -126,6 +126,7 @@ def test_killed_rank_is_named_and_the_others_fail_fast(
             (victim, fault, overlap, str(tmp_path)),
             nprocs=world_size,
             timeout_s=COLLECTIVE_TIMEOUT_S,
+            start_method=START_METHOD,
         )
     elapsed = time.monotonic() - started
     message = str(caught.value)
@@ -193,7 +194,13 @@ def test_hung_rank_ends_in_the_collective_timeout(tmp_path: Path, monkeypatch) -
     timeout_s = 8.0  # long enough for the ranks' rendezvous on a loaded machine
     started = time.monotonic()
     with pytest.raises(mp.ProcessRaisedException) as caught:
-        spawn(_train_with_hung_rank, (1, 3, str(tmp_path)), nprocs=2, timeout_s=timeout_s)
+        spawn(
+            _train_with_hung_rank,
+            (1, 3, str(tmp_path)),
+            nprocs=2,
+            timeout_s=timeout_s,
+            start_method=START_METHOD,
+        )
     elapsed = time.monotonic() - started
     message = str(caught.value)
     assert "Process 0 terminated with the following error" in message, message
@@ -276,7 +283,13 @@ def _assert_equal_params(got: list[torch.Tensor], want: list[torch.Tensor], what
 def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path: Path, victim: int, where: str) -> None:
     """The published checkpoint still loads to exactly its values; the new one is never half-read."""
     with pytest.raises(mp.ProcessExitedException, match=f"^rank {victim} was killed by SIGKILL"):
-        spawn(_save_then_crash_in_next_save, (str(tmp_path), victim, where), nprocs=2, timeout_s=60)
+        spawn(
+            _save_then_crash_in_next_save,
+            (str(tmp_path), victim, where),
+            nprocs=2,
+            timeout_s=60,
+            start_method=START_METHOD,
+        )
     assert (tmp_path / "ckpt" / ".metadata").is_file(), sorted(p.name for p in tmp_path.iterdir())
     for rank, outcome in enumerate(run_ranks(_load_after_crash, 2, str(tmp_path))):
         published = torch.load(tmp_path / f"published{rank}.pt", weights_only=True)
@@ -338,7 +351,13 @@ def test_resume_after_crash_is_bitwise_uninterrupted(tmp_path: Path) -> None:
     rng = random.Random("resume")
     victim, fault = rng.randrange(2), (rng.randrange(CHECKPOINT_EVERY + 1, STEPS - 1), rng.choice(PHASES))
     with pytest.raises(mp.ProcessExitedException, match=f"^rank {victim} was killed by SIGKILL"):
-        spawn(_train_checkpointing, (str(tmp_path), victim, fault, overlap), nprocs=2, timeout_s=60)
+        spawn(
+            _train_checkpointing,
+            (str(tmp_path), victim, fault, overlap),
+            nprocs=2,
+            timeout_s=60,
+            start_method=START_METHOD,
+        )
     for rank, result in enumerate(run_ranks(_resume_and_run_uninterrupted, 2, str(tmp_path), overlap)):
         # Steps 0..s-1 of the fatal step s completed, so the last save is the one at or before s.
         expected = fault[0] // CHECKPOINT_EVERY * CHECKPOINT_EVERY

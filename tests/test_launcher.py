@@ -27,8 +27,9 @@ def _report_environment(tag: str) -> dict:
     }
 
 
-def test_spawn_sets_environment_and_returns_results_in_rank_order() -> None:
-    results = spawn(_report_environment, args=("hello",), nprocs=3)
+@pytest.mark.parametrize("start_method", launcher.START_METHODS)
+def test_spawn_sets_environment_and_returns_results_in_rank_order(start_method: str) -> None:
+    results = spawn(_report_environment, args=("hello",), nprocs=3, start_method=start_method)
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert {r["world_size"] for r in results} == {3}
     assert {r["backend"] for r in results} == {"gloo"}
@@ -56,6 +57,13 @@ def test_child_exception_surfaces_with_rank_and_traceback() -> None:
 def test_unpicklable_function() -> None:
     with pytest.raises(TypeError, match="picklable function defined at module level"):
         spawn(lambda: None, nprocs=2)
+
+
+def test_bad_start_method() -> None:
+    with pytest.raises(
+        ValueError, match=r"start_method to be one of \('spawn', 'forkserver'\) but got 'fork'"
+    ):
+        spawn(_report_environment, args=("x",), nprocs=2, start_method="fork")
 
 
 @pytest.mark.parametrize("nprocs", [0, -2, 1.5, True])
