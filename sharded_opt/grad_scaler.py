@@ -52,7 +52,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         optimizer._reduce_grads()
         per_device = super()._unscale_grads_(optimizer._inner, inv_scale, found_inf, allow_fp16)
         optimizer._grad_tracker.accept_grad_writes()
-        for device_found_inf in per_device.values():
+        # The stock method has a flag only for devices where this rank's shard has grads, and a
+        # rank can hold no param elements at all (a small model: its shards are all padding). So
+        # every rank gives a flag for each device of the wrapper's buckets, in one order, and
+        # every rank joins the same all-reduces.
+        for device in sorted({bucket.device for bucket in optimizer.plan.buckets}, key=str):
+            if device not in per_device:
+                per_device[device] = found_inf.to(device, copy=True)
             # Replicas hold equal shards (hybrid sharding): the shard group sees every element.
-            dist.all_reduce(device_found_inf, op=dist.ReduceOp.MAX, group=optimizer._comm.group)
+            dist.all_reduce(per_device[device], op=dist.ReduceOp.MAX, group=optimizer._comm.group)
         return per_device

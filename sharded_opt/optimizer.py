@@ -303,7 +303,12 @@ class ShardingStage1(torch.optim.Optimizer):
         computes the norm of its shard and one all-reduce of a scalar combines them, so every
         rank gets the same norm and clips alike (a local norm would differ per rank). Call it
         between backward and ``step()``; it finishes the grad reduction now, and ``step()``
-        then uses the clipped grads. ``param.grad`` (the local, unreduced grads) is not changed.
+        then uses the clipped grads. As in torch, params that got no grad (frozen ones, say)
+        count neither in the norm nor in the clipping.
+
+        ``param.grad`` (the local, unreduced grads) is not changed. So zero grads between steps
+        as usual: a backward that accumulates into last step's grads sums them unclipped here,
+        where torch sums the clipped ones.
 
         Raises:
             ValueError: ``norm_type`` is not positive.
@@ -741,8 +746,30 @@ class ShardingStage1(torch.optim.Optimizer):
         self._launch_grad_sync()
         if not self._grads_reduced:
             self._comm.finish_grad_sync()
+            self._zero_absent_grads()
             self._grads_reduced = True
             self._grad_tracker.accept_grad_writes()
+
+    @torch.no_grad()
+    def _zero_absent_grads(self) -> None:
+        """Zero the reduced grads of params that got no grad on any rank this iteration.
+
+        ``step()`` leaves such params out, but clipping and the scaler read every reduced grad:
+        torch's ``clip_grad_norm_`` and ``GradScaler`` skip a param whose ``.grad`` is None,
+        whereas here its elements may still hold an earlier iteration's grads (a bucket frozen
+        since takes no part in the reduction and keeps its last result; a param frozen after
+        ``model.zero_grad()`` set its grad to None keeps its last grad in the grad buffer). They
+        would count in the norm, or a past overflow would make the scaler skip every step."""
+        for shard in self._comm.live_shards():
+            present = self._presence.agreed(shard.bucket.index)
+            if all(present):
+                continue
+            absent = {
+                slot.param_index for slot, flag in zip(shard.bucket.slots, present, strict=True) if not flag
+            }
+            for grad, owner in zip(shard.inner_grads, shard.inner_owners, strict=True):
+                if owner in absent:
+                    grad.zero_()
 
     def _check_grads_not_dropped(self) -> None:
         """In overlap mode which params have grads is shared when their bucket is launched;

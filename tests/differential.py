@@ -1,9 +1,11 @@
 """Random training programs, run through ShardingStage1 on N ranks and through plain torch.
 
 A :class:`Program` is a small training script: an optimizer class and settings, a scheduler
-built before or after wrapping, and per step which layers are frozen, which ranks use an
-optional "expert" branch, how many micro-batches accumulate (``no_sync``), how grads are zeroed,
-and whether the optimizer state is swapped with the plain run's through ``state_dict()``.
+built before or after wrapping, a model that may run one layer twice, and per step which layers
+are frozen, which ranks use an optional "expert" branch, how many micro-batches accumulate
+(``no_sync``), whether grads are clipped, how grads are zeroed (to None or to zeros), whether the
+model is evaluated and a weight clamped in place right after ``step()``, and whether the
+optimizer state is swapped with the plain run's through ``state_dict()``.
 
 Every rank runs the program twice: sharded on its slice of each batch, and as the plain torch
 reference on the whole batch in the same process (so state dicts can cross between the two).
@@ -52,7 +54,18 @@ class StepSpec:
     """Which ranks run the expert branch: "all", "none", or "some" (the even ones)."""
     micro_batches: int = 1
     zero_grad: str = "optimizer"
-    """"optimizer" (``opt.zero_grad()``), "model" (``model.zero_grad()``) or "none"."""
+    """"optimizer" (``opt.zero_grad()``), "optimizer_keep" (``opt.zero_grad(set_to_none=False)``:
+    zeros stay grads, so params they belong to are stepped), "model" (``model.zero_grad()``) or
+    "none"."""
+    clip: float | None = None
+    """Before the step, clip the averaged grads to this global L2 norm (the wrapper's
+    ``clip_grad_norm_``; ``torch.nn.utils.clip_grad_norm_`` in the plain run)."""
+    read_after: bool = False
+    """Right after the step, evaluate the model on a fixed probe under ``no_grad``: the outputs
+    must match the plain run's (no stale param may be read)."""
+    clamp_after: bool = False
+    """Then clamp ``body.weight`` in place under ``no_grad`` (WGAN's weight clipping); never with
+    ``bf16_master``, where the plain run's fp32 masters would overwrite it."""
     swap_state: bool = False
     """After the step, load the plain optimizer's state dict into the wrapper and the wrapper's
     into the plain optimizer."""
@@ -69,6 +82,8 @@ class Program:
     bf16_master: bool = False
     overlap: bool = False
     attach_model: bool = True
+    reuse_body: bool = False
+    """The model applies ``body`` twice (one accumulation of two contributions per backward)."""
     degree: int | None = None
     """Hybrid sharding: ranks per shard group (None: shard over every rank)."""
     device_mesh: bool = False
@@ -76,8 +91,9 @@ class Program:
 
 
 class ExpertModel(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, reuse_body: bool = False) -> None:
         super().__init__()
+        self.reuse_body = reuse_body
         self.embed = nn.Linear(IN_FEATURES, 8)
         self.body = nn.Linear(8, 8)
         self.expert = nn.Linear(8, 8)
@@ -87,15 +103,27 @@ class ExpertModel(nn.Module):
     def forward(self, x: torch.Tensor, use_expert: bool) -> torch.Tensor:
         hidden = torch.tanh(self.embed(x))
         hidden = torch.tanh(self.body(hidden))
+        if self.reuse_body:
+            hidden = torch.tanh(self.body(hidden))
         if use_expert:
             hidden = hidden + torch.relu(self.expert(hidden))
         return self.head(hidden) * self.scale
 
 
-def make_model(bf16: bool) -> ExpertModel:
+def make_model(bf16: bool, reuse_body: bool = False) -> ExpertModel:
     torch.manual_seed(0)
-    model = ExpertModel()
+    model = ExpertModel(reuse_body)
     return model.to(torch.bfloat16) if bf16 else model
+
+
+def read_and_edit(model: ExpertModel, spec: StepSpec, reads: list[torch.Tensor]) -> None:
+    """What a loop does with the model right after ``step()``, see :class:`StepSpec`."""
+    with torch.no_grad():
+        if spec.read_after:
+            probe = batch(-1, 0, next(model.parameters()).dtype)[0][:4]
+            reads.append(model(probe, use_expert=True).clone())
+        if spec.clamp_after:
+            model.body.weight.clamp_(-0.3, 0.3)
 
 
 def set_frozen(model: ExpertModel, frozen: tuple[str, ...]) -> None:
@@ -141,8 +169,9 @@ class ShardedRun:
     def __init__(self, program: Program) -> None:
         self.program = program
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.model = make_model(program.bf16_master)
+        self.model = make_model(program.bf16_master, program.reuse_body)
         set_frozen(self.model, program.frozen_at_wrap)
+        self.reads: list[torch.Tensor] = []
         inner = OPTIMIZERS[program.optimizer](self.model.parameters())
         self.scheduler = make_scheduler(program.scheduler, inner) if program.scheduler_before_wrap else None
         mesh = None
@@ -170,11 +199,16 @@ class ShardedRun:
             last = micro == spec.micro_batches - 1
             with contextlib.nullcontext() if last else self.optimizer.no_sync():
                 slice_loss(self.model, spec, step, micro, self.rank, self.world_size).backward()
+        if spec.clip is not None:
+            self.optimizer.clip_grad_norm_(spec.clip)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        read_and_edit(self.model, spec, self.reads)
         if spec.zero_grad == "optimizer":
             self.optimizer.zero_grad()
+        elif spec.zero_grad == "optimizer_keep":
+            self.optimizer.zero_grad(set_to_none=False)
         elif spec.zero_grad == "model":
             self.model.zero_grad()
 
@@ -191,8 +225,9 @@ class PlainRun:
         self.program = program
         self.world_size = world_size
         self.degree = program.degree if program.degree is not None else world_size
-        self.model = make_model(program.bf16_master)
+        self.model = make_model(program.bf16_master, program.reuse_body)
         set_frozen(self.model, program.frozen_at_wrap)
+        self.reads: list[torch.Tensor] = []
         params = list(self.model.parameters())
         if program.bf16_master:
             self.masters = [p.detach().float().requires_grad_(p.requires_grad) for p in params]
@@ -218,6 +253,8 @@ class PlainRun:
         for index, master in enumerate(self.masters):
             grad = _average([grads[index] for grads in self.slice_grads], params[index].dtype, self.degree)
             master.grad = None if grad is None else grad.to(master.dtype)
+        if spec.clip is not None:
+            torch.nn.utils.clip_grad_norm_([m for m in self.masters if m.grad is not None], spec.clip)
         self.optimizer.step()
         if self.program.bf16_master:
             with torch.no_grad():
@@ -225,12 +262,19 @@ class PlainRun:
                     param.copy_(master)
         if self.scheduler is not None:
             self.scheduler.step()
+        read_and_edit(self.model, spec, self.reads)
         if spec.zero_grad in ("optimizer", "model"):
             self.slice_grads = [[None] * len(params) for _ in range(self.world_size)]
             self.optimizer.zero_grad()
+        elif spec.zero_grad == "optimizer_keep":
+            self.slice_grads = [[_zeros_like(g) for g in grads] for grads in self.slice_grads]
 
     def params(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.model.parameters()]
+
+
+def _zeros_like(grad: torch.Tensor | None) -> torch.Tensor | None:
+    return None if grad is None else torch.zeros_like(grad)
 
 
 def _add(total: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor | None:
@@ -280,6 +324,8 @@ def run_program(program: Program) -> dict:
         "plain": plain.params(),
         "sharded_state": sharded.optimizer.state_dict(),
         "plain_state": plain.optimizer.state_dict(),
+        "sharded_reads": sharded.reads,
+        "plain_reads": plain.reads,
     }
 
 

@@ -246,3 +246,123 @@ def test_memory_per_param_matches_the_readme_formula() -> None:
     assert bf16["params"] + bf16["grads"] == 4
     assert bf16["reduced_grads"] + bf16["master"] == pytest.approx(8 / world_size)
     assert bf16["optimizer_state"] == pytest.approx(8 / world_size, rel=1e-3)
+
+
+def _frozen_after_training_then_clipped(overlap: bool, zero_with: str) -> list[float]:
+    """Fine-tuning that freezes the first layer after two steps and clips every step: the
+    frozen layer's last grads (in its bucket's reduced shard, or left in the grad buffer when
+    ``model.zero_grad()`` set them to None) must not count in the norm, as torch's
+    ``clip_grad_norm_`` sees no grad for it. Returns the largest difference to plain torch."""
+    from sharded_opt import ShardingConfig, Strategy
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)))
+    plain_model, model = models
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    sharded = ShardingStage1(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        strategy=Strategy(sharding=ShardingConfig(bucket_size_mb=0.0002)),  # the first layer fills buckets
+        overlap=overlap,
+        model=model,
+    )
+    for step in range(5):
+        if step == 2:
+            plain_model[0].requires_grad_(False)
+            model[0].requires_grad_(False)
+        generator = torch.Generator().manual_seed(step)
+        inputs, targets = torch.randn(8, 6, generator=generator), torch.randn(8, 2, generator=generator)
+        for opt, net, rows in (
+            (plain, plain_model, slice(None)),
+            (sharded, model, slice(4 * rank, 4 * rank + 4)),
+        ):
+            if zero_with == "model":
+                net.zero_grad()
+            else:
+                opt.zero_grad()
+            torch.nn.functional.mse_loss(net(inputs[rows]), targets[rows]).backward()
+        torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 0.05)
+        sharded.clip_grad_norm_(0.05)
+        plain.step()
+        sharded.step()
+    sharded.sync_params()
+    assert world_size == 2
+    return [
+        (a - b).abs().max().item() for a, b in zip(model.parameters(), plain_model.parameters(), strict=True)
+    ]
+
+
+@pytest.mark.parametrize("zero_with", ["optimizer", "model"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_clip_norm_leaves_out_layers_frozen_after_training(overlap: bool, zero_with: str) -> None:
+    for differences in run_ranks(_frozen_after_training_then_clipped, 2, overlap, zero_with):
+        assert max(differences) < 1e-6, differences
+
+
+def _overflow_then_frozen(overlap: bool) -> list[bool]:
+    """An overflow in the first layer's grads makes the scaler skip that step; the layer is then
+    frozen. Its inf must not stay in the wrapper's reduced grads: torch's scaler sees no grad
+    for a frozen layer, so the following steps run. Returns which steps changed the params."""
+    from sharded_opt import ShardedGradScaler, ShardingConfig, Strategy
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizer = ShardingStage1(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        strategy=Strategy(sharding=ShardingConfig(bucket_size_mb=0.0002)),
+        overlap=overlap,
+        model=model,
+    )
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**4)
+    changed = []
+    for step in range(4):
+        if step == 2:
+            model[0].requires_grad_(False)
+        optimizer.zero_grad()
+        inputs = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = model(inputs).square().mean()
+        if step == 1:
+            loss = loss + model[0].weight.sum() * float("inf")  # an overflow in the first layer only
+        before = [p.detach().clone() for p in model[2].parameters()]
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.sync_params()
+        changed.append(any(not torch.equal(a, b) for a, b in zip(before, model[2].parameters(), strict=True)))
+    return changed
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_scaler_forgets_an_overflow_of_a_layer_frozen_since(overlap: bool) -> None:
+    for changed in run_ranks(_overflow_then_frozen, 2, overlap):
+        assert changed == [True, False, True, True]
+
+
+def _scaled_tiny_model() -> list[torch.Tensor]:
+    from sharded_opt import ShardedGradScaler
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)  # 3 elements: the ranks after the first hold only padding
+    optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    assert dist.get_rank() == 0 or not optimizer._inner.param_groups[0]["params"]
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**4)
+    for step in range(3):
+        optimizer.zero_grad()
+        inputs = torch.randn(2, 2, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        scaler.scale(model(inputs).square().mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    optimizer.sync_params()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_scaler_on_ranks_that_hold_no_param_elements() -> None:
+    """Every rank joins the scaler's inf all-reduce, also one whose shards are all padding (it
+    used to skip it and deadlock the others)."""
+    results = run_ranks(_scaled_tiny_model, 3, timeout_s=20)
+    for params in results[1:]:
+        for a, b in zip(params, results[0], strict=True):
+            assert torch.equal(a, b)
