@@ -3,9 +3,12 @@
 A :class:`Program` is a small training script: an optimizer class and settings, a scheduler
 built before or after wrapping, a model that may run one layer twice, and per step which layers
 are frozen, which ranks use an optional "expert" branch, how many micro-batches accumulate
-(``no_sync``), whether grads are clipped, how grads are zeroed (to None or to zeros), whether the
-model is evaluated and a weight clamped in place right after ``step()``, and whether the
-optimizer state is swapped with the plain run's through ``state_dict()``.
+(``no_sync``), whether grads are clipped, whether the loss overflows on one rank (with a
+``GradScaler``), whether the learning rates are changed by hand, how grads are zeroed (to None or
+to zeros), whether the model is evaluated and a weight clamped in place right after ``step()``,
+and whether the optimizer state is swapped with the plain run's through ``state_dict()``. The
+optimizer gets one param group, or two in the Hugging Face way (no weight decay for biases and
+scalars, at half the learning rate).
 
 Every rank runs the program twice: sharded on its slice of each batch, and as the plain torch
 reference on the whole batch in the same process (so state dicts can cross between the two).
@@ -25,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+from sharded_opt import ShardedGradScaler, ShardingConfig, ShardingStage1, Strategy
 
 GLOBAL_BATCH = 12
 IN_FEATURES = 6
@@ -63,6 +66,11 @@ class StepSpec:
     read_after: bool = False
     """Right after the step, evaluate the model on a fixed probe under ``no_grad``: the outputs
     must match the plain run's (no stale param may be read)."""
+    overflow: bool = False
+    """With ``Program.scaler``: the last rank's last micro-batch loss is multiplied by inf, so
+    the scaler skips this step on every rank and halves its scale."""
+    halve_lr: bool = False
+    """Before the step, halve every group's learning rate by hand (``group["lr"] *= 0.5``)."""
     clamp_after: bool = False
     """Then clamp ``body.weight`` in place under ``no_grad`` (WGAN's weight clipping); never with
     ``bf16_master``, where the plain run's fp32 masters would overwrite it."""
@@ -84,6 +92,11 @@ class Program:
     attach_model: bool = True
     reuse_body: bool = False
     """The model applies ``body`` twice (one accumulation of two contributions per backward)."""
+    two_groups: bool = False
+    """Weights in one param group, biases and the scalar in another without weight decay."""
+    scaler: bool = False
+    """Scale losses with a ``GradScaler`` (``ShardedGradScaler`` for the wrapper): ``unscale_``,
+    clip if the step clips, ``step``, ``update``."""
     degree: int | None = None
     """Hybrid sharding: ranks per shard group (None: shard over every rank)."""
     device_mesh: bool = False
@@ -160,7 +173,48 @@ def slice_loss(model: ExpertModel, spec: StepSpec, step: int, micro: int, rank: 
     inputs, targets = batch(step, micro, dtype)
     inputs, targets = local_slice(inputs, rank, world_size), local_slice(targets, rank, world_size)
     output = model(inputs, uses_expert(spec, rank))
-    return torch.nn.functional.mse_loss(output, targets) / spec.micro_batches
+    loss = torch.nn.functional.mse_loss(output, targets) / spec.micro_batches
+    if spec.overflow and rank == world_size - 1 and micro == spec.micro_batches - 1:
+        loss = loss * float("inf")
+    return loss
+
+
+def param_groups(program: Program, model: ExpertModel, params: list[torch.Tensor]) -> list:
+    """``params`` (the model's, or their masters in the same order) as the program's groups."""
+    if not program.two_groups:
+        return params
+    decay = [name.endswith("weight") for name, _ in model.named_parameters()]
+    return [
+        {"params": [p for p, d in zip(params, decay, strict=True) if d]},
+        {"params": [p for p, d in zip(params, decay, strict=True) if not d], "weight_decay": 0.0, "lr": 5e-3},
+    ]
+
+
+def make_scaler(program: Program, sharded: bool) -> torch.amp.GradScaler | None:
+    if not program.scaler:
+        return None
+    scaler_class = ShardedGradScaler if sharded else torch.amp.GradScaler
+    return scaler_class("cpu", init_scale=2.0**6, growth_interval=2)
+
+
+def step_with(optimizer, scaler: torch.amp.GradScaler | None, spec: StepSpec, clip) -> None:
+    """What a loop does between backward and the next zero_grad, scaler or not."""
+    if spec.halve_lr:
+        for group in optimizer.param_groups:
+            group["lr"] *= 0.5
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if spec.clip is not None:
+        clip(spec.clip)
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def scaled(loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> torch.Tensor:
+    return loss if scaler is None else scaler.scale(loss)
 
 
 class ShardedRun:
@@ -172,7 +226,10 @@ class ShardedRun:
         self.model = make_model(program.bf16_master, program.reuse_body)
         set_frozen(self.model, program.frozen_at_wrap)
         self.reads: list[torch.Tensor] = []
-        inner = OPTIMIZERS[program.optimizer](self.model.parameters())
+        inner = OPTIMIZERS[program.optimizer](
+            param_groups(program, self.model, list(self.model.parameters()))
+        )
+        self.scaler = make_scaler(program, sharded=True)
         self.scheduler = make_scheduler(program.scheduler, inner) if program.scheduler_before_wrap else None
         mesh = None
         if program.device_mesh:
@@ -198,10 +255,9 @@ class ShardedRun:
         for micro in range(spec.micro_batches):
             last = micro == spec.micro_batches - 1
             with contextlib.nullcontext() if last else self.optimizer.no_sync():
-                slice_loss(self.model, spec, step, micro, self.rank, self.world_size).backward()
-        if spec.clip is not None:
-            self.optimizer.clip_grad_norm_(spec.clip)
-        self.optimizer.step()
+                loss = slice_loss(self.model, spec, step, micro, self.rank, self.world_size)
+                scaled(loss, self.scaler).backward()
+        step_with(self.optimizer, self.scaler, spec, self.optimizer.clip_grad_norm_)
         if self.scheduler is not None:
             self.scheduler.step()
         read_and_edit(self.model, spec, self.reads)
@@ -233,7 +289,8 @@ class PlainRun:
             self.masters = [p.detach().float().requires_grad_(p.requires_grad) for p in params]
         else:
             self.masters = params
-        self.optimizer = OPTIMIZERS[program.optimizer](self.masters)
+        self.optimizer = OPTIMIZERS[program.optimizer](param_groups(program, self.model, self.masters))
+        self.scaler = make_scaler(program, sharded=False)
         self.scheduler = make_scheduler(program.scheduler, self.optimizer)
         self.slice_grads: list[list[torch.Tensor | None]] = [[None] * len(params) for _ in range(world_size)]
 
@@ -245,7 +302,9 @@ class PlainRun:
         for rank in range(self.world_size):
             for micro in range(spec.micro_batches):
                 self.model.zero_grad()
-                slice_loss(self.model, spec, step, micro, rank, self.world_size).backward()
+                scaled(
+                    slice_loss(self.model, spec, step, micro, rank, self.world_size), self.scaler
+                ).backward()
                 self.slice_grads[rank] = [
                     _add(total, p.grad) for total, p in zip(self.slice_grads[rank], params, strict=True)
                 ]
@@ -253,9 +312,13 @@ class PlainRun:
         for index, master in enumerate(self.masters):
             grad = _average([grads[index] for grads in self.slice_grads], params[index].dtype, self.degree)
             master.grad = None if grad is None else grad.to(master.dtype)
-        if spec.clip is not None:
-            torch.nn.utils.clip_grad_norm_([m for m in self.masters if m.grad is not None], spec.clip)
-        self.optimizer.step()
+        with_grads = [m for m in self.masters if m.grad is not None]
+        step_with(
+            self.optimizer,
+            self.scaler,
+            spec,
+            lambda max_norm: torch.nn.utils.clip_grad_norm_(with_grads, max_norm),
+        )
         if self.program.bf16_master:
             with torch.no_grad():
                 for param, master in zip(params, self.masters, strict=True):

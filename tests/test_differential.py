@@ -41,8 +41,10 @@ steps = st.builds(
     frozen=frozen_layers,
     expert_ranks=st.sampled_from(["all", "none", "some"]),
     micro_batches=st.integers(1, 2),
-    zero_grad=st.sampled_from(["optimizer", "optimizer", "optimizer_keep", "model", "none"]),
+    zero_grad=st.sampled_from(["optimizer", "optimizer_keep", "model", "optimizer", "none"]),
     clip=st.sampled_from([None, None, 0.05, 5.0]),
+    overflow=st.integers(0, 4).map(lambda n: n == 0),
+    halve_lr=st.integers(0, 3).map(lambda n: n == 0),
     read_after=st.booleans(),
     clamp_after=st.booleans(),
     swap_state=st.booleans(),
@@ -58,9 +60,18 @@ def programs(draw) -> Program:
     # Clipped grads that are not zeroed before the next backward: torch accumulates into the
     # clipped averaged grads, the wrapper into its unclipped local ones (documented in
     # ``ShardingStage1.clip_grad_norm_``), so such programs are not drawn.
+    # The same holds for grads the scaler unscaled, so with a scaler grads are always zeroed.
+    scaler = draw(st.integers(0, 2)) == 0
     program_steps = [
         dataclasses.replace(step, clip=None) if step.zero_grad == "none" else step for step in program_steps
     ]
+    if scaler:
+        program_steps = [
+            dataclasses.replace(step, zero_grad="optimizer") if step.zero_grad == "none" else step
+            for step in program_steps
+        ]
+    else:
+        program_steps = [dataclasses.replace(step, overflow=False) for step in program_steps]
     return Program(
         optimizer=draw(st.sampled_from(sorted(OPTIMIZERS))),
         steps=tuple(program_steps),
@@ -71,6 +82,8 @@ def programs(draw) -> Program:
         bf16_master=bf16,
         attach_model=draw(st.booleans()),
         reuse_body=draw(st.booleans()),
+        two_groups=draw(st.booleans()),
+        scaler=scaler,
     )
 
 
