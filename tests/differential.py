@@ -92,6 +92,9 @@ class Program:
     attach_model: bool = True
     reuse_body: bool = False
     """The model applies ``body`` twice (one accumulation of two contributions per backward)."""
+    extra_shapes: tuple[tuple[int, ...], ...] = ()
+    """Shapes of extra params (0-dim, odd sizes) that scale the hidden state by their tanh
+    means, so they land across bucket and shard boundaries wherever the layout puts them."""
     two_groups: bool = False
     """Weights in one param group, biases and the scalar in another without weight decay."""
     scaler: bool = False
@@ -104,7 +107,7 @@ class Program:
 
 
 class ExpertModel(nn.Module):
-    def __init__(self, reuse_body: bool = False) -> None:
+    def __init__(self, reuse_body: bool = False, extra_shapes: tuple[tuple[int, ...], ...] = ()) -> None:
         super().__init__()
         self.reuse_body = reuse_body
         self.embed = nn.Linear(IN_FEATURES, 8)
@@ -112,20 +115,24 @@ class ExpertModel(nn.Module):
         self.expert = nn.Linear(8, 8)
         self.head = nn.Linear(8, 2)
         self.scale = nn.Parameter(torch.tensor(1.25))
+        self.extras = nn.ParameterList(nn.Parameter(0.5 * torch.randn(shape)) for shape in extra_shapes)
 
     def forward(self, x: torch.Tensor, use_expert: bool) -> torch.Tensor:
         hidden = torch.tanh(self.embed(x))
         hidden = torch.tanh(self.body(hidden))
         if self.reuse_body:
             hidden = torch.tanh(self.body(hidden))
+        if len(self.extras):
+            hidden = hidden * (1 + sum(torch.tanh(extra).mean() for extra in self.extras))
         if use_expert:
             hidden = hidden + torch.relu(self.expert(hidden))
         return self.head(hidden) * self.scale
 
 
-def make_model(bf16: bool, reuse_body: bool = False) -> ExpertModel:
+def make_model(program: Program) -> ExpertModel:
     torch.manual_seed(0)
-    model = ExpertModel(reuse_body)
+    model = ExpertModel(program.reuse_body, program.extra_shapes)
+    bf16 = program.bf16_master
     return model.to(torch.bfloat16) if bf16 else model
 
 
@@ -223,7 +230,7 @@ class ShardedRun:
     def __init__(self, program: Program) -> None:
         self.program = program
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.model = make_model(program.bf16_master, program.reuse_body)
+        self.model = make_model(program)
         set_frozen(self.model, program.frozen_at_wrap)
         self.reads: list[torch.Tensor] = []
         inner = OPTIMIZERS[program.optimizer](
@@ -281,7 +288,7 @@ class PlainRun:
         self.program = program
         self.world_size = world_size
         self.degree = program.degree if program.degree is not None else world_size
-        self.model = make_model(program.bf16_master, program.reuse_body)
+        self.model = make_model(program)
         set_frozen(self.model, program.frozen_at_wrap)
         self.reads: list[torch.Tensor] = []
         params = list(self.model.parameters())

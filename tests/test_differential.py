@@ -34,6 +34,7 @@ PROGRAMS_PER_WORLD_SIZE = 10
 FP32_TOLERANCE = {"rtol": 1e-6, "atol": 1e-7}
 BF16_TOLERANCE = {"rtol": 2**-7, "atol": 1e-5}
 
+shapes = st.one_of(st.just(()), st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple))
 frozen_layers = st.lists(st.sampled_from(LAYERS), max_size=2, unique=True).map(tuple)
 
 steps = st.builds(
@@ -82,6 +83,7 @@ def programs(draw) -> Program:
         bf16_master=bf16,
         attach_model=draw(st.booleans()),
         reuse_body=draw(st.booleans()),
+        extra_shapes=tuple(draw(st.lists(shapes, max_size=4))),
         two_groups=draw(st.booleans()),
         scaler=scaler,
     )
