@@ -76,6 +76,7 @@ from sharded_opt.hybrid_groups import resolve_shard_groups
 from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, hyperparameters
 from sharded_opt.local_shard import resolve_precision
 from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter
+from sharded_opt.state_view import ShardedStateView
 from sharded_opt.strategy import Strategy
 from sharded_opt.streams import on_stream
 from sharded_opt.validation import (
@@ -228,6 +229,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._grads_reduced = False
         self._num_params_per_group = [len(g["params"]) for g in optimizer.param_groups]
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
+        self.state = ShardedStateView()  # type: ignore[assignment]  # Note [No per-param state]
         # The wrapper's groups *are* the wrapped optimizer's group dicts, so a scheduler built on
         # either object drives the step, and keys added to either show up in both.
         self.param_groups = optimizer.param_groups

@@ -389,3 +389,19 @@ def test_step_forwards_keyword_arguments(single_rank_group) -> None:
     model(_inputs(0, None, 1)).sum().backward()
     opt.step(scale=0.5)
     assert _SGDWithScale.seen == [0.5]
+
+
+def test_per_param_state_lookups_and_writes_raise_naming_state_dict(single_rank_group) -> None:
+    """``opt.state`` iterates empty (device-moving loops do nothing, rightly); looking up or
+    writing one param's state raises instead of reading ``{}`` or writing into nothing."""
+    model = nn.Linear(3, 2)
+    opt = ShardingStage1(torch.optim.Adam(model.parameters()), model=model)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    moved = [value for state in opt.state.values() for value in state.values()]
+    assert moved == [] and len(opt.state) == 0 and model.weight not in opt.state
+    with pytest.raises(KeyError, match=r"not per param.*opt\.state_dict\(\)"):
+        opt.state[model.weight]["exp_avg"].zero_()
+    with pytest.raises(TypeError, match=r"opt\.load_state_dict\(\)"):
+        opt.state[model.weight] = {}
+    assert opt.state.get(model.weight) is None
