@@ -154,6 +154,17 @@ def test_dense_non_contiguous_params_keep_their_strides():
         assert view_slot(memory_order[index], slot).stride() == strides[index]
 
 
+def test_a_grad_of_another_shape_than_the_param_is_not_copied_in():
+    """``param.data = t`` of another shape (``resize_token_embeddings``) leaves a grad of the
+    old shape behind; a new layout of the param must not try to copy it in."""
+    param = torch.nn.Parameter(torch.ones(4, 3))
+    param.grad = torch.full((4, 3), 2.0)
+    param.data = torch.ones(6, 3)
+    _, flat = wrap([param])
+    assert param.grad is flat.grad_views[0]
+    assert param.grad.shape == (6, 3) and not param.grad.any()
+
+
 def test_backward_into_a_channels_last_grad_keeps_it_in_place():
     weight = torch.nn.Parameter(torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last))
     reference = weight.detach().clone().requires_grad_(True)
