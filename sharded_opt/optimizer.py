@@ -43,6 +43,15 @@ Note [Params replaced after wrapping]
     ``model.to(...)``), a new shape, or memory of another param (``a.data = b.data`` ties two
     params, which separate slots cannot). Every rank must replace alike, as every write to
     params must be.
+
+    A new shape (Hugging Face's ``resize_token_embeddings`` after wrapping) would not even reach
+    ``step()``: the next backward fails inside autograd adding the new-shape grad to the param's
+    old-shape grad view. So the attached model's first forward pre-hook refuses it in forwards
+    with grad enabled (one C-level pass over the params' data pointers per forward; forwards
+    without grad, such as ``generate()``, work as in torch). The fix it names, a new optimizer
+    and wrapper, must work while the old wrapper lives on: the new layout drops the leftover
+    grad of the old shape (in torch it would be None after ``zero_grad()``), and the old
+    wrapper's check passes over params a newer layout took (``FlatBuffers.owns``).
 """
 
 from __future__ import annotations

@@ -96,11 +96,13 @@ def _bert_config():
 
 
 def _causal_batch(step: int, index: int) -> dict[str, torch.Tensor]:
-    """Right-padded token ids of a different length per sample, labels ``-100`` on padding."""
+    """Right-padded token ids of a different length per sample, labels ``-100`` on padding;
+    padded to the longest sample of the slice (dynamic padding), so ranks differ in length."""
     generator = torch.Generator().manual_seed(100 * step + index)
     ids = torch.randint(3, VOCAB, (SLICE, SEQ), generator=generator)
     lengths = torch.randint(SEQ // 2, SEQ + 1, (SLICE,), generator=generator)
-    mask = (torch.arange(SEQ) < lengths[:, None]).long()
+    ids = ids[:, : int(lengths.max())]
+    mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
     ids = ids * mask + PAD * (1 - mask)
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
@@ -554,6 +556,7 @@ def adafactor_wrapped() -> str:
 def _jobs() -> dict[str, Callable[[], object]]:
     return {
         "gpt2": lambda: _late_gathers(gpt2_loop),
+        "gpt2_auto_buckets": lambda: _both(gpt2_loop, bucket_size_mb=None),
         "llama": lambda: _both(llama_loop),
         "llama_checkpointing_reentrant": lambda: _both(lambda loop: llama_loop(loop, True)),
         "llama_checkpointing_non_reentrant": lambda: _both(lambda loop: llama_loop(loop, False, True)),
@@ -562,7 +565,7 @@ def _jobs() -> dict[str, Callable[[], object]]:
         "bert_classify": lambda: _both(bert_classify_loop),
         "t5": lambda: _late_gathers(t5_loop),
         "mixtral": lambda: _both(mixtral_loop),
-        "resume": lambda: _both(resume_loop),
+        "resume": lambda: _late_gathers(resume_loop),
         "resize_then_rewrap": lambda: _both(resize_loop),
         "resize_sync": lambda: resize_after_wrapping(False),
         "resize_overlap": lambda: resize_after_wrapping(True),
@@ -571,10 +574,11 @@ def _jobs() -> dict[str, Callable[[], object]]:
 
 
 LOOP_JOBS = (
-    "gpt2", "llama", "llama_checkpointing_reentrant", "llama_checkpointing_non_reentrant", "llama_lora",
-    "bert_mlm", "bert_classify", "t5", "mixtral", "resume", "resize_then_rewrap",
+    "gpt2", "gpt2_auto_buckets", "llama", "llama_checkpointing_reentrant",
+    "llama_checkpointing_non_reentrant", "llama_lora", "bert_mlm", "bert_classify", "t5", "mixtral",
+    "resume", "resize_then_rewrap",
 )  # fmt: skip
-THREE_RANK_JOBS = ("gpt2", "mixtral")
+THREE_RANK_JOBS = ("gpt2", "bert_classify", "mixtral")
 """Loops run on 3 ranks too: shards then split params and groups at other offsets."""
 
 
