@@ -16,8 +16,14 @@ import weakref
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fusion.layout import BucketPlan, LayoutPlan, ParamSlot
+
+_LAID_OUT_IN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Each param -> a weak reference to the :class:`FlatBuffers` that laid it out last (see
+:meth:`FlatBuffers.owns`). Kept here rather than on the param, so pickles and copies of params
+carry nothing of it (``torch.load(weights_only=True)`` of a saved param keeps working)."""
 
 
 class FlatBuffers:
@@ -61,7 +67,7 @@ class FlatBuffers:
             param_view = view_slot(param_buffer[slot.offset : slot.offset + slot.numel], slot)
             param_view.copy_(param.detach())
             param.data = param_view
-            param._flat_buffers_owner = _Owner(self)
+            _LAID_OUT_IN[param] = weakref.ref(self)
             self.param_views[slot.param_index] = param_view
         self.param_buffers.append(param_buffer)
 
@@ -164,35 +170,14 @@ class FlatBuffers:
     def owns(self, param_index: int) -> bool:
         """Whether the param was last laid out here: a newer ``FlatBuffers`` over the same params
         (a new wrapper built while this one is alive) takes them over."""
-        owner = getattr(self.params[param_index], "_flat_buffers_owner", None)
-        return isinstance(owner, _Owner) and owner.buffers() is self
+        owner = _LAID_OUT_IN.get(self.params[param_index])
+        return owner is not None and owner() is self
 
     def _grad_buffer(self, bucket_index: int) -> Tensor:
         grad_buffer = self.grad_buffers[bucket_index]
         if grad_buffer is None:
             raise RuntimeError(f"FlatBuffers: bucket {bucket_index} has no grad buffer yet")
         return grad_buffer
-
-
-class _Owner:
-    """Kept on each laid-out param (``param._flat_buffers_owner``): a weak reference to the
-    ``FlatBuffers`` that laid it out last. Copies and pickles of the param (``deepcopy(model)``,
-    ``torch.save(model)``) carry an empty one: a copy is laid out nowhere."""
-
-    __slots__ = ("buffers",)
-
-    def __init__(self, buffers: FlatBuffers | None = None) -> None:
-        self.buffers = weakref.ref(buffers) if buffers is not None else _nobody
-
-    def __reduce__(self) -> tuple[type[_Owner], tuple[()]]:
-        return (_Owner, ())
-
-    def __deepcopy__(self, memo: dict) -> _Owner:
-        return _Owner()
-
-
-def _nobody() -> None:
-    return None
 
 
 def view_slot(flat: Tensor, slot: ParamSlot) -> Tensor:

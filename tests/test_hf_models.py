@@ -3,13 +3,16 @@ three, after ``tests/test_user_loops.py`` and ``tests/test_user_loops_2.py``, wh
 :class:`Loop` harness, job runner and assertion this module reuses).
 
 Tiny models built from configs (nothing is downloaded; ``from_pretrained`` only reads a folder
-that ``save_pretrained`` wrote): GPT-2 (tied LM head, dropout on, ``labels=`` loss, accumulation
-with ``no_sync``, ``generate()`` right after ``step()``), Llama (RMSNorm, rotary, gradient
-checkpointing both ways, LoRA by hand, bf16 autocast), BERT (masked LM with a pooler no loss
-reaches; sequence classification loaded from the MLM model's folder, fine-tuned head first with
-layers unfrozen later), T5 (encoder-decoder, shared embeddings), Mixtral (experts not reached on
-some ranks), HF's decay/no-decay groups by name and its schedules, resuming from
-``save_pretrained`` plus ``opt.state_dict()``, and what must fail at once
+that ``save_pretrained`` wrote, on rank 0, as it does under a process group): GPT-2 (tied LM
+head, dropout on, ``labels=`` loss, accumulation with ``no_sync``, ``generate()`` on one rank
+right after ``step()``), Llama (RMSNorm, rotary, gradient checkpointing both ways, also enabled
+after wrapping, frozen then unfrozen embeddings, LoRA by hand, bf16 autocast), BERT (masked LM
+with a pooler no loss reaches; sequence classification loaded from the MLM model's folder,
+fine-tuned head first with layers unfrozen later), T5 (encoder-decoder, shared embeddings,
+``model.zero_grad()``, ``generate()`` under ``inference_mode``), two mixtures of experts
+(Mixtral's fused experts; Switch Transformers' expert modules, some reached by no token), HF's
+decay/no-decay groups by name and its schedules, batches padded per rank to their own length,
+resuming from ``save_pretrained`` plus ``opt.state_dict()``, and what must fail at once
 (``resize_token_embeddings`` after wrapping, HF's factored ``Adafactor``).
 
 Each loop runs plain (one process, every slice), sharded sync and sharded overlap on every rank;
@@ -149,8 +152,9 @@ def _prompt() -> torch.Tensor:
 
 def gpt2_loop(loop: Loop, accumulate: int = 2) -> dict:
     """run_clm style: decay/no-decay groups, linear warmup, ``loss / accumulate`` with
-    ``no_sync`` on all micro-batches but the last, ``train()``/``eval()`` switching and greedy
-    ``generate()`` right after ``step()`` while its all-gathers are pending."""
+    ``no_sync`` on all micro-batches but the last, ``train()``/``eval()`` switching, greedy
+    ``generate()`` on rank 0 only right after ``step()`` while its all-gathers are pending,
+    then an evaluation forward on every rank."""
     from transformers import get_linear_schedule_with_warmup
 
     _quiet()
@@ -173,8 +177,9 @@ def gpt2_loop(loop: Loop, accumulate: int = 2) -> dict:
         loop.zero_grad(opt)
         lrs.append(scheduler.get_last_lr())
         model.eval()
-        out = model.generate(_prompt(), max_new_tokens=3, do_sample=False, pad_token_id=PAD)
-        generated.append(out.float())
+        if loop.rank == 0:  # samples logged by one rank
+            out = model.generate(_prompt(), max_new_tokens=3, do_sample=False, pad_token_id=PAD)
+            generated.append(out.float())
         with torch.no_grad():
             generated.append(model(_prompt()).logits)
     loop.sync(opt)
@@ -361,7 +366,7 @@ def bert_classify_loop(loop: Loop) -> dict:
 def t5_loop(loop: Loop) -> dict:
     """T5ForConditionalGeneration: ``labels=`` (decoder inputs shifted from them), shared
     embeddings, relative attention bias in each stack's first layer only; grads dropped with
-    ``model.zero_grad()`` and ``generate()`` right after ``step()``."""
+    ``model.zero_grad()`` and ``generate()`` under ``inference_mode`` right after ``step()``."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     _quiet()
@@ -390,7 +395,8 @@ def t5_loop(loop: Loop) -> dict:
         model.zero_grad()  # as HF's Trainer does after each step
         loop._sums = {}
         model.eval()
-        generated.append(model.generate(_prompt(), max_new_tokens=3, do_sample=False).float())
+        with torch.inference_mode():  # as HF pipelines run
+            generated.append(model.generate(_prompt(), max_new_tokens=3, do_sample=False).float())
     loop.sync(opt)
     return {"params": _snapshot(model), "generated": generated}
 
@@ -418,6 +424,38 @@ def mixtral_loop(loop: Loop) -> dict:
 
         def loss_of(index: int, step: int = step) -> torch.Tensor:
             return model(**_causal_batch(step, index)).loss
+
+        loop.backward(opt, params, loss_of)
+        opt.step()
+        loop.zero_grad(opt)
+    loop.sync(opt)
+    return {"params": _snapshot(model)}
+
+
+def switch_loop(loop: Loop) -> dict:
+    """Switch Transformers: an encoder-decoder whose experts are modules of their own, top-1 of
+    8 with a capacity of 2 tokens (the rest dropped) and the router's z-loss and auxiliary loss:
+    experts no token reached get no grad on some ranks, some on none."""
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    _quiet()
+    config = SwitchTransformersConfig(
+        vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=WIDTH, num_layers=2, num_decoder_layers=2,
+        num_heads=2, num_experts=8, expert_capacity=2, encoder_sparse_step=2, decoder_sparse_step=2,
+        relative_attention_num_buckets=8, decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=EOS,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = SwitchTransformersForConditionalGeneration(config)
+    params = list(model.parameters())
+    opt = loop.wrap(torch.optim.AdamW(_hf_groups(model, 0.01), lr=3e-3), model)
+    for step in range(2):
+
+        def loss_of(index: int, step: int = step) -> torch.Tensor:
+            _seeded(step, index)
+            batch = _causal_batch(step, index)
+            target = _causal_batch(step + 50, index)["labels"][:, : SEQ // 2].contiguous()
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            return model(**inputs, labels=target, output_router_logits=True).loss
 
         loop.backward(opt, params, loss_of)
         opt.step()
@@ -556,8 +594,7 @@ def adafactor_wrapped() -> str:
 def _jobs() -> dict[str, Callable[[], object]]:
     return {
         "gpt2": lambda: _late_gathers(gpt2_loop),
-        "gpt2_auto_buckets": lambda: _both(gpt2_loop, bucket_size_mb=None),
-        "llama": lambda: _both(llama_loop),
+        "llama": lambda: _both(llama_loop, bucket_size_mb=None),  # the automatic bucket sizes
         "llama_checkpointing_reentrant": lambda: _both(lambda loop: llama_loop(loop, True)),
         "llama_checkpointing_non_reentrant": lambda: _both(lambda loop: llama_loop(loop, False, True)),
         "llama_lora": lambda: _both(llama_lora_loop),
@@ -565,6 +602,7 @@ def _jobs() -> dict[str, Callable[[], object]]:
         "bert_classify": lambda: _both(bert_classify_loop),
         "t5": lambda: _late_gathers(t5_loop),
         "mixtral": lambda: _both(mixtral_loop),
+        "switch_moe": lambda: _both(switch_loop),
         "resume": lambda: _late_gathers(resume_loop),
         "resize_then_rewrap": lambda: _both(resize_loop),
         "resize_sync": lambda: resize_after_wrapping(False),
@@ -574,11 +612,11 @@ def _jobs() -> dict[str, Callable[[], object]]:
 
 
 LOOP_JOBS = (
-    "gpt2", "gpt2_auto_buckets", "llama", "llama_checkpointing_reentrant",
+    "gpt2", "llama", "llama_checkpointing_reentrant",
     "llama_checkpointing_non_reentrant", "llama_lora", "bert_mlm", "bert_classify", "t5", "mixtral",
-    "resume", "resize_then_rewrap",
+    "switch_moe", "resume", "resize_then_rewrap",
 )  # fmt: skip
-THREE_RANK_JOBS = ("gpt2", "bert_classify", "mixtral")
+THREE_RANK_JOBS = ("gpt2", "bert_classify")
 """Loops run on 3 ranks too: shards then split params and groups at other offsets."""
 
 
