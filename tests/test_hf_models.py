@@ -10,7 +10,8 @@ after wrapping, frozen then unfrozen embeddings, LoRA by hand, bf16 autocast), B
 with a pooler no loss reaches; sequence classification loaded from the MLM model's folder,
 fine-tuned head first with layers unfrozen later), T5 (encoder-decoder, shared embeddings,
 ``model.zero_grad()``, ``generate()`` under ``inference_mode``), two mixtures of experts
-(Mixtral's fused experts; Switch Transformers' expert modules, some reached by no token), HF's
+(Mixtral's fused experts; Switch Transformers' expert modules, some reached by no token),
+ALBERT's layer shared by all layers (also under reentrant checkpointing, in Llama), HF's
 decay/no-decay groups by name and its schedules, batches padded per rank to their own length,
 resuming from ``save_pretrained`` plus ``opt.state_dict()``, and what must fail at once
 (``resize_token_embeddings`` after wrapping, HF's factored ``Adafactor``).
@@ -360,6 +361,56 @@ def bert_classify_loop(loop: Loop) -> dict:
     return {"params": _snapshot(model), "counts": [float(c) for c in counts]}
 
 
+def albert_loop(loop: Loop) -> dict:
+    """ALBERT: one layer's params shared by all four layers (accumulated from four uses in one
+    backward), factorized embeddings, a classification head on the pooler."""
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+
+    _quiet()
+    config = AlbertConfig(
+        vocab_size=VOCAB, embedding_size=8, hidden_size=WIDTH, num_hidden_layers=4, num_attention_heads=2,
+        intermediate_size=2 * WIDTH, max_position_embeddings=2 * SEQ, num_labels=3, pad_token_id=PAD,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AlbertForSequenceClassification(config)
+    params = list(model.parameters())
+    opt = loop.wrap(torch.optim.AdamW(_hf_groups(model, 0.01), lr=5e-3), model)
+    for step in range(3):
+
+        def loss_of(index: int, step: int = step) -> torch.Tensor:
+            _seeded(step, index)
+            return model(**_classify_batch(step, index)).loss
+
+        loop.backward(opt, params, loss_of)
+        opt.step()
+        loop.zero_grad(opt)
+    loop.sync(opt)
+    return {"params": _snapshot(model)}
+
+
+def shared_layer_loop(loop: Loop) -> dict:
+    """ALBERT-style sharing in a model that supports reentrant gradient checkpointing: Llama's
+    second layer is its first, so each backward's two nested (checkpointed) backwards
+    accumulate into the same params one after the other."""
+    _quiet()
+    model = _llama()
+    model.config.use_cache = False
+    model.model.layers[1] = model.model.layers[0]
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    params = list(model.parameters())
+    opt = loop.wrap(torch.optim.AdamW(model.parameters(), lr=3e-3), model)
+    for step in range(2):
+
+        def loss_of(index: int, step: int = step) -> torch.Tensor:
+            return model(**_causal_batch(step, index)).loss
+
+        loop.backward(opt, params, loss_of)
+        opt.step()
+        loop.zero_grad(opt)
+    loop.sync(opt)
+    return {"params": _snapshot(model)}
+
+
 # -- T5 ------------------------------------------------------------------------------------------
 
 
@@ -420,7 +471,7 @@ def mixtral_loop(loop: Loop) -> dict:
     model = MixtralForCausalLM(config)
     params = list(model.parameters())
     opt = loop.wrap(torch.optim.AdamW(model.parameters(), lr=3e-3), model)
-    for step in range(3):
+    for step in range(2):
 
         def loss_of(index: int, step: int = step) -> torch.Tensor:
             return model(**_causal_batch(step, index)).loss
@@ -600,6 +651,8 @@ def _jobs() -> dict[str, Callable[[], object]]:
         "llama_lora": lambda: _both(llama_lora_loop),
         "bert_mlm": lambda: _both(bert_mlm_loop),
         "bert_classify": lambda: _both(bert_classify_loop),
+        "albert": lambda: _both(albert_loop),
+        "shared_layer_checkpointing_reentrant": lambda: _both(shared_layer_loop),
         "t5": lambda: _late_gathers(t5_loop),
         "mixtral": lambda: _both(mixtral_loop),
         "switch_moe": lambda: _both(switch_loop),
@@ -614,9 +667,9 @@ def _jobs() -> dict[str, Callable[[], object]]:
 LOOP_JOBS = (
     "gpt2", "llama", "llama_checkpointing_reentrant",
     "llama_checkpointing_non_reentrant", "llama_lora", "bert_mlm", "bert_classify", "t5", "mixtral",
-    "switch_moe", "resume", "resize_then_rewrap",
+    "switch_moe", "albert", "shared_layer_checkpointing_reentrant", "resume", "resize_then_rewrap",
 )  # fmt: skip
-THREE_RANK_JOBS = ("gpt2", "bert_classify")
+THREE_RANK_JOBS = ("bert_classify", "llama_lora")
 """Loops run on 3 ranks too: shards then split params and groups at other offsets."""
 
 
