@@ -152,16 +152,17 @@ def _prompt() -> torch.Tensor:
 
 
 def gpt2_loop(loop: Loop, accumulate: int = 2) -> dict:
-    """run_clm style: decay/no-decay groups, linear warmup, ``loss / accumulate`` with
-    ``no_sync`` on all micro-batches but the last, ``train()``/``eval()`` switching, greedy
-    ``generate()`` on rank 0 only right after ``step()`` while its all-gathers are pending,
-    then an evaluation forward on every rank."""
+    """run_clm style: decay/no-decay groups, ``tie_weights()`` after wrapping, linear warmup,
+    ``loss / accumulate`` with ``no_sync`` on all micro-batches but the last,
+    ``train()``/``eval()`` switching, greedy ``generate()`` on rank 0 only right after
+    ``step()`` while its all-gathers are pending, then an evaluation forward on every rank."""
     from transformers import get_linear_schedule_with_warmup
 
     _quiet()
     model = _gpt2()
     params = list(model.parameters())
     opt = loop.wrap(torch.optim.AdamW(_hf_groups(model, 0.01), lr=3e-3), model)
+    model.tie_weights()  # re-ties from the config, as scripts do after changing heads
     scheduler = get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=6)
     generated, lrs = [], []
     for step in range(4):
@@ -710,6 +711,12 @@ def test_params_no_loss_reaches_stay_untouched(outcomes) -> None:
     for results in outcomes:
         for mode in ("plain", "sync", "overlap"):
             assert results["bert_mlm"][mode]["heads_unchanged"] == [1.0], mode
+
+
+def test_gpt2_head_stays_tied_to_the_embedding(outcomes) -> None:
+    for results in outcomes:
+        for mode in ("plain", "sync", "overlap"):
+            assert results["gpt2"][mode]["tied"] == [1.0], mode
 
 
 def test_lora_adapters_under_reentrant_checkpointing_train(outcomes) -> None:
