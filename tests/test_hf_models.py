@@ -376,7 +376,7 @@ def albert_loop(loop: Loop) -> dict:
     model = AlbertForSequenceClassification(config)
     params = list(model.parameters())
     opt = loop.wrap(torch.optim.AdamW(_hf_groups(model, 0.01), lr=5e-3), model)
-    for step in range(3):
+    for step in range(2):
 
         def loss_of(index: int, step: int = step) -> torch.Tensor:
             _seeded(step, index)
@@ -548,13 +548,13 @@ def _resume_run(loop: Loop, steps: range, folder: str | None, saved: bytes | Non
 
 def resume_loop(loop: Loop) -> dict:
     """Trainer's checkpoint: ``save_pretrained`` of the model, ``torch.save`` of the optimizer's
-    and scheduler's state dicts after three steps; a new process would rebuild with
+    and scheduler's state dicts after two steps; a new process would rebuild with
     ``from_pretrained`` and load both, then go on: bitwise the uninterrupted run."""
     _quiet()
-    model, opt, _ = _resume_run(loop, range(6), None, None)
+    model, opt, _ = _resume_run(loop, range(4), None, None)
     loop.sync(opt)
     uninterrupted = _snapshot(model)
-    model, opt, scheduler = _resume_run(loop, range(3), None, None)
+    model, opt, scheduler = _resume_run(loop, range(2), None, None)
     buffer = io.BytesIO()
     torch.save({"optimizer": opt.state_dict(), "scheduler": scheduler.state_dict()}, buffer)
     with _shared_folder() as folder:
@@ -562,7 +562,7 @@ def resume_loop(loop: Loop) -> dict:
         if loop.sharded:
             opt.close()
         del model, opt, scheduler
-        model, opt, _ = _resume_run(loop, range(3, 6), folder, buffer.getvalue())
+        model, opt, _ = _resume_run(loop, range(2, 4), folder, buffer.getvalue())
     loop.sync(opt)
     return {"params": uninterrupted, "resumed": _snapshot(model)}
 
