@@ -12,10 +12,18 @@ memory and views.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fusion.layout import BucketPlan, LayoutPlan, ParamSlot
+
+_LAID_OUT_IN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Each param -> a weak reference to the :class:`FlatBuffers` that laid it out last (see
+:meth:`FlatBuffers.owns`). Kept here rather than on the param, so pickles and copies of params
+carry nothing of it (``torch.load(weights_only=True)`` of a saved param keeps working)."""
 
 
 class FlatBuffers:
@@ -49,6 +57,8 @@ class FlatBuffers:
                 self._allocate_params(bucket)
                 if bucket.requires_grad:
                     self.allocate_grads(bucket.index)
+        self._laid_out_params = [params[index] for index in self.laid_out_indices]
+        self._slot_addresses = [self.param_views[index].data_ptr() for index in self.laid_out_indices]  # type: ignore[union-attr]
 
     def _allocate_params(self, bucket: BucketPlan) -> None:
         param_buffer = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
@@ -57,13 +67,16 @@ class FlatBuffers:
             param_view = view_slot(param_buffer[slot.offset : slot.offset + slot.numel], slot)
             param_view.copy_(param.detach())
             param.data = param_view
+            _LAID_OUT_IN[param] = weakref.ref(self)
             self.param_views[slot.param_index] = param_view
         self.param_buffers.append(param_buffer)
 
     @torch.no_grad()
     def allocate_grads(self, bucket_index: int) -> bool:
         """Give the bucket its grad buffer and its params their grad views (a grad a param
-        already has is copied in); return False if the bucket already had one."""
+        already has is copied in, unless its shape is not the param's: ``param.data`` was
+        replaced by a tensor of another shape, as ``resize_token_embeddings`` does, and a grad
+        of the old shape means nothing for it); return False if the bucket already had one."""
         if self.grad_buffers[bucket_index] is not None:
             return False
         bucket = self.plan.buckets[bucket_index]
@@ -71,7 +84,7 @@ class FlatBuffers:
         for slot in bucket.slots:
             param = self.params[slot.param_index]
             grad_view = view_slot(grad_buffer[slot.offset : slot.offset + slot.numel], slot)
-            if param.grad is not None:
+            if param.grad is not None and param.grad.shape == param.shape:
                 grad_view.copy_(param.grad)
             param.grad = grad_view
             self.grad_views[slot.param_index] = grad_view
@@ -148,6 +161,17 @@ class FlatBuffers:
             for index in self.laid_out_indices
             if self.params[index].data_ptr() != self.param_views[index].data_ptr()
         ]
+
+    def any_param_detached(self) -> bool:
+        """Whether :meth:`detached_params` is not empty, in one C-level pass (cheap enough for a
+        check before every forward)."""
+        return list(map(Tensor.data_ptr, self._laid_out_params)) != self._slot_addresses
+
+    def owns(self, param_index: int) -> bool:
+        """Whether the param was last laid out here: a newer ``FlatBuffers`` over the same params
+        (a new wrapper built while this one is alive) takes them over."""
+        owner = _LAID_OUT_IN.get(self.params[param_index])
+        return owner is not None and owner() is self
 
     def _grad_buffer(self, bucket_index: int) -> Tensor:
         grad_buffer = self.grad_buffers[bucket_index]

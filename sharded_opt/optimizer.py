@@ -43,6 +43,15 @@ Note [Params replaced after wrapping]
     ``model.to(...)``), a new shape, or memory of another param (``a.data = b.data`` ties two
     params, which separate slots cannot). Every rank must replace alike, as every write to
     params must be.
+
+    A new shape (Hugging Face's ``resize_token_embeddings`` after wrapping) would not even reach
+    ``step()``: the next backward fails inside autograd adding the new-shape grad to the param's
+    old-shape grad view. So the attached model's first forward pre-hook refuses it in forwards
+    with grad enabled (one C-level pass over the params' data pointers per forward; forwards
+    without grad, such as ``generate()``, work as in torch). The fix it names, a new optimizer
+    and wrapper, must work while the old wrapper lives on: the new layout drops the leftover
+    grad of the old shape (in torch it would be None after ``zero_grad()``), and the old
+    wrapper's check passes over params a newer layout took (``FlatBuffers.owns``).
 """
 
 from __future__ import annotations
@@ -75,7 +84,7 @@ from sharded_opt.grad_presence import GradPresence, presence_group
 from sharded_opt.hybrid_groups import resolve_shard_groups
 from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, hyperparameters
 from sharded_opt.local_shard import resolve_precision
-from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter
+from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter, register_eager_pre_hook
 from sharded_opt.state_view import ShardedStateView
 from sharded_opt.strategy import Strategy
 from sharded_opt.streams import on_stream
@@ -226,6 +235,7 @@ class ShardingStage1(torch.optim.Optimizer):
         # them bucket by bucket is exact; another class may keep state per step() call.
         self._step_per_bucket = world_size > 1 and type(optimizer) in ELEMENTWISE_OPTIMIZERS
         self._param_waiter: ParamReadyWaiter | None = None
+        self._param_names: dict[int, str] = {}
         self._grads_reduced = False
         self._num_params_per_group = [len(g["params"]) for g in optimizer.param_groups]
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
@@ -455,6 +465,11 @@ class ShardingStage1(torch.optim.Optimizer):
 
     def _attach(self, model: nn.Module) -> None:
         waiter = ParamReadyWaiter(model, self._buffers, self._comm.finish_param_sync)
+        names = {id(param): name for name, param in model.named_parameters()}
+        self._param_names = {
+            index: names[id(param)] for index, param in enumerate(self._buffers.params) if id(param) in names
+        }
+        self._hook_handles.append(register_eager_pre_hook(model, self._refuse_reshaped_before_forward))
         self._broadcast_model_state(model)
         if self._broadcast_buffers and self.world_size > 1 and next(model.buffers(), None) is not None:
             self._buffer_broadcaster = BufferBroadcaster(model, self.process_group, self._first_rank())
@@ -626,26 +641,38 @@ class ShardingStage1(torch.optim.Optimizer):
         moved = self._buffers.detached_params()
         if not moved:
             return
+        self._refuse_unadoptable(moved)
+        self.sync_params()  # an all-gather still running must not land over the adopted values
+        for index in moved:
+            self._buffers.adopt_param(index)
+
+    def _refuse_reshaped_before_forward(self, module: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of the attached model: a param that ``param.data = t`` gave another
+        shape (``model.resize_token_embeddings(n)`` after wrapping) is refused before a forward
+        with grad enabled, instead of by torch's shape error when the next backward adds its grad
+        to the old-shape grad view. Forwards without grad (``generate()``, evaluation) work, as in
+        torch; see Note [Params replaced after wrapping]."""
+        if not torch.is_grad_enabled():
+            return
+        with torch._C.DisableTorchFunction():  # plain pointer reads, never the read guard's waits
+            if not self._buffers.any_param_detached():
+                return
+            moved = [index for index in self._buffers.detached_params() if self._buffers.owns(index)]
+        self._refuse_reshaped(moved)
+
+    def _refuse_unadoptable(self, moved: list[int]) -> None:
         converted = [(index, self._buffers.conversion_of(index)) for index in sorted(moved)]
         converted = [(index, change) for index, change in converted if change is not None]
         if converted:
             index, change = converted[0]
             raise RuntimeError(
-                f"ShardingStage1: param {index} (optimizer order) {change} ({len(converted)} "
+                f"ShardingStage1: param {self._describe_param(index)} {change} ({len(converted)} "
                 "param(s) converted, e.g. by model.half() or model.to(...) after wrapping), so it "
                 "no longer lives in the flat buffers and updates would be lost. Cast or move the "
                 "model before building the optimizer and wrapping it"
             )
-        params, views = self._buffers.params, self._buffers.param_views
-        reshaped = [index for index in sorted(moved) if params[index].shape != views[index].shape]
-        if reshaped:
-            index = reshaped[0]
-            raise RuntimeError(
-                f"ShardingStage1: `param.data = ...` gave param {index} (optimizer order) the shape "
-                f"{tuple(params[index].shape)} but it was laid out as {tuple(views[index].shape)}; the "
-                "optimizer's state and the flat buffers cannot change shape. Resize the model before "
-                "building the optimizer and wrapping it, or build a new optimizer and wrapper"
-            )
+        self._refuse_reshaped(moved)
+        params = self._buffers.params
         flat = {buffer.untyped_storage().data_ptr() for buffer in self._buffers.param_buffers}
         aliased = [index for index in sorted(moved) if params[index].untyped_storage().data_ptr() in flat]
         if aliased:
@@ -655,9 +682,23 @@ class ShardingStage1(torch.optim.Optimizer):
                 "of its own, so the two would no longer be tied. Tie params before building the "
                 "optimizer (`module.weight = other.weight`) and wrap it then"
             )
-        self.sync_params()  # an all-gather still running must not land over the adopted values
-        for index in moved:
-            self._buffers.adopt_param(index)
+
+    def _refuse_reshaped(self, moved: list[int]) -> None:
+        params, views = self._buffers.params, self._buffers.param_views
+        reshaped = [index for index in sorted(moved) if params[index].shape != views[index].shape]
+        if reshaped:
+            index = reshaped[0]
+            raise RuntimeError(
+                f"ShardingStage1: `param.data = ...` gave param {self._describe_param(index)} the shape "
+                f"{tuple(params[index].shape)} but it was laid out as {tuple(views[index].shape)} (Hugging "
+                "Face's model.resize_token_embeddings(n) does this); the optimizer's state and the flat "
+                "buffers cannot change shape. Resize the model before building the optimizer and "
+                "wrapping it, or build a new optimizer and ShardingStage1 after resizing (close() this one)"
+            )
+
+    def _describe_param(self, index: int) -> str:
+        name = self._param_names.get(index)
+        return f"{index} (optimizer order{'' if name is None else f', {name!r}'})"
 
     def _amp_scaling_arguments(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``found_inf`` and ``grad_scale`` set by a ``GradScaler`` driving this step, see Note

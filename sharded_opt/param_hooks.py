@@ -388,6 +388,12 @@ class _ForwardWait(WeakMethodHook):
         return super().__call__(*hook_args)
 
 
+def register_eager_pre_hook(module: nn.Module, method: Callable[[nn.Module, tuple], None]) -> RemovableHandle:
+    """``method`` as ``module``'s first forward pre-hook, held weakly (Note [Hook lifetimes and
+    copies]) and tracing to nothing under ``torch.compile``."""
+    return module.register_forward_pre_hook(_EagerOnly(method), prepend=True)
+
+
 class BufferBroadcaster:
     """DDP's ``broadcast_buffers``: a forward pre-hook on the root module that copies every
     buffer from the group's first rank before each forward with grad enabled.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -152,6 +154,30 @@ def test_dense_non_contiguous_params_keep_their_strides():
         assert torch.equal(flatten_to_slot(expected[index], slot), memory_order[index])
         assert torch.equal(view_slot(memory_order[index], slot), expected[index])
         assert view_slot(memory_order[index], slot).stride() == strides[index]
+
+
+def test_a_grad_of_another_shape_than_the_param_is_not_copied_in():
+    """``param.data = t`` of another shape (``resize_token_embeddings``) leaves a grad of the
+    old shape behind; a new layout of the param must not try to copy it in."""
+    param = torch.nn.Parameter(torch.ones(4, 3))
+    param.grad = torch.full((4, 3), 2.0)
+    param.data = torch.ones(6, 3)
+    _, flat = wrap([param])
+    assert param.grad is flat.grad_views[0]
+    assert param.grad.shape == (6, 3) and not param.grad.any()
+
+
+def test_a_newer_layout_of_the_same_params_owns_them():
+    """A wrapper built over params an older, still alive wrapper laid out takes them over; a
+    copy of a param is laid out nowhere, and a saved param still loads with weights_only."""
+    param = torch.nn.Parameter(torch.ones(4, 3))
+    _, older = wrap([param])
+    _, newer = wrap([param])
+    assert newer.owns(0) and not older.owns(0)
+    buffer = io.BytesIO()
+    torch.save(param, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=True), param)
 
 
 def test_backward_into_a_channels_last_grad_keeps_it_in_place():

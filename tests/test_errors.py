@@ -93,6 +93,15 @@ def _param_data_resized() -> None:
     optimizer.step()
 
 
+def _param_data_resized_then_forward() -> None:
+    """With a model attached the training forward refuses, before backward would fail on
+    torch's shape mismatch (resize_token_embeddings after wrapping); see test_hf_models."""
+    model = make_model()
+    ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    model.fc1.weight.data = torch.zeros(3, 3)
+    model(torch.zeros(2, 3))
+
+
 def _param_data_tied_to_another_param() -> None:
     model = make_model()
     optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -187,7 +196,10 @@ CASES = [
              "model that owns the optimizer's params but 8 param"),
     BadInput("param_data_resized", _param_data_resized, RuntimeError,
              r"`param.data = ...` gave param \d+ \(optimizer order\) the shape \(3, 3\) but it was laid "
-             r"out as \(24, \d+\).*build a new optimizer and wrapper"),
+             r"out as \(24, \d+\).*build a new optimizer and ShardingStage1 after resizing"),
+    BadInput("param_data_resized_then_forward", _param_data_resized_then_forward, RuntimeError,
+             r"gave param \d+ \(optimizer order, 'fc1.weight'\) the shape \(3, 3\) .*Resize the model "
+             "before building the optimizer"),
     BadInput("param_data_tied_to_another_param", _param_data_tied_to_another_param, RuntimeError,
              r"were pointed at another param's memory \(`param.data = other.data`\).*Tie params before"),
     BadInput("model_cast_after_wrapping", _model_cast_after_wrapping, RuntimeError,
