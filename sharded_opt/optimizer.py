@@ -90,9 +90,9 @@ from sharded_opt.strategy import Strategy
 from sharded_opt.streams import on_stream
 from sharded_opt.validation import (
     ELEMENTWISE_OPTIMIZERS,
-    check_dense_grads,
     check_optimizer,
     check_same_layout,
+    check_trained_modules,
     collect_params,
 )
 from sharded_opt.weak_hooks import remove_handles
@@ -136,7 +136,8 @@ class ShardingStage1(torch.optim.Optimizer):
         TypeError: ``optimizer`` is not a supported ``torch.optim.Optimizer``; bad argument types
             (``device_mesh`` that is not a ``DeviceMesh``).
         ValueError: no trainable params, duplicate or sparse params, a ``model`` module that
-            makes sparse grads (``nn.Embedding(sparse=True)``), params on several devices,
+            makes sparse grads (``nn.Embedding(sparse=True)``) or renormalizes its weight in
+            forward (``nn.Embedding(max_norm=...)``), params on several devices,
             ranks with different params, an optimizer that already stepped or is already wrapped;
             a ``degree`` that does not divide the world size, a ``device_mesh`` that is not 2-D or
             comes with ``process_group`` or ``degree``.
@@ -165,7 +166,7 @@ class ShardingStage1(torch.optim.Optimizer):
         _check_not_stepped(optimizer)
         params, specs = collect_params(optimizer)
         if model is not None:
-            check_dense_grads(model, params)
+            check_trained_modules(model, params)
         groups = resolve_shard_groups(process_group, config.degree, device_mesh, config.enable)
         group, rank, world_size = groups.world, dist.get_rank(groups.world), dist.get_world_size(groups.world)
         check_same_layout(specs, group, world_size)
@@ -455,12 +456,12 @@ class ShardingStage1(torch.optim.Optimizer):
 
         Raises:
             ValueError: ``model`` does not own all the optimizer's trainable params, a module of
-                it makes sparse grads for them (``nn.Embedding(sparse=True)``), or a model is
-                already attached.
+                it makes sparse grads for them (``nn.Embedding(sparse=True)``) or renormalizes
+                them in forward (``nn.Embedding(max_norm=...)``), or a model is already attached.
         """
         if self._param_waiter is not None:
             raise ValueError("ShardingStage1.attach: a model is already attached to this optimizer")
-        check_dense_grads(model, self._buffers.params)
+        check_trained_modules(model, self._buffers.params)
         self._attach(model)
 
     def _attach(self, model: nn.Module) -> None:

@@ -44,20 +44,27 @@ class ModelFreeLoop(BufferLoop):
         return super().wrap(optimizer, None)
 
 
-def _modes(loop_fn: Callable[[Loop], object], late_gathers: bool = True) -> dict[str, object]:
-    """``loop_fn`` plain, sharded sync, overlap with the model attached and overlap without;
-    ``late_gathers``: all-gathers land only when waited for."""
+def _modes(
+    loop_fn: Callable[[Loop], object], late_gathers: bool = True, model_free: bool = True
+) -> dict[str, object]:
+    """``loop_fn`` plain, sharded sync, overlap with the model attached and (``model_free``)
+    overlap without; ``late_gathers``: all-gathers land only when waited for. Loops whose every
+    rank reads BatchNorm running statistics (an evaluation forward on every rank) run without
+    the model-free mode: with no model to attach there is no broadcast of buffers from rank 0,
+    as the README says, so each rank keeps its own statistics."""
     with (
         mock.patch.object(collectives, "all_gather", _late_all_gather)
         if late_gathers
         else contextlib.nullcontext()
     ):
-        return {
+        results = {
             "plain": loop_fn(BufferLoop(False, False)),
             "sync": loop_fn(BufferLoop(True, False)),
             "overlap": loop_fn(BufferLoop(True, True)),
-            "overlap_no_model": loop_fn(ModelFreeLoop(True, True)),
         }
+        if model_free:
+            results["overlap_no_model"] = loop_fn(ModelFreeLoop(True, True))
+        return results
 
 
 # -- vision ----------------------------------------------------------------------------------------
@@ -521,6 +528,97 @@ def channels_last_after_wrapping_loop(loop: Loop) -> dict:
     return {"params": _snapshot(model)}
 
 
+def adversarial_loop(loop: Loop) -> dict:
+    """Madry-style adversarial training: a two-step PGD attack on the inputs in ``model.eval()``
+    from ``torch.autograd.grad(loss, x)`` (no param grads), then a training step on the
+    perturbed batch; params' grads clamped by hooks registered on them (``p.register_hook``)."""
+    model = TinyResNet()
+    params = list(model.parameters())
+    opt = loop.wrap(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4), model)
+    for p in params:
+        p.register_hook(lambda grad: grad.clamp(-0.5, 0.5))
+    for step in range(3):
+
+        def loss_of(index: int, step: int = step) -> torch.Tensor:
+            images, labels = _images(step, index)
+            model.eval()
+            attacked = images.clone()
+            for _ in range(2):
+                attacked.requires_grad_(True)
+                (grad,) = torch.autograd.grad(F.cross_entropy(model(attacked), labels), attacked)
+                attacked = (attacked.detach() + 0.05 * grad.sign()).clamp(images - 0.1, images + 0.1)
+            model.train()
+            return F.cross_entropy(model(attacked), labels)
+
+        loop.zero_grad(opt)
+        loop.backward(opt, params, loss_of, module=model)
+        opt.step()
+    loop.sync(opt)
+    return {"params": _snapshot(model)}
+
+
+def ensemble_loop(loop: Loop) -> dict:
+    """An ensemble trained as one: ``torch.func.stack_module_state`` stacks three models'
+    params into plain tensors (not ``nn.Parameter``), ``vmap(functional_call)`` runs them on
+    the batch, and the optimizer (no model to attach) steps the stacked tensors."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)) for _ in range(3)]
+    weights, buffers = torch.func.stack_module_state(members)
+    base = copy.deepcopy(members[0]).to("meta")
+    params = list(weights.values())
+    opt = loop.wrap(torch.optim.Adam(params, lr=1e-2), None)
+
+    def ensemble(x: torch.Tensor) -> torch.Tensor:
+        call = lambda w, b, x: torch.func.functional_call(base, (w, b), (x,))  # noqa: E731
+        return torch.func.vmap(call, in_dims=(0, 0, None))(weights, buffers, x)
+
+    for step in range(3):
+        loop.zero_grad(opt)
+
+        def loss_of(index: int, step: int = step) -> torch.Tensor:
+            generator = torch.Generator().manual_seed(10 * step + index)
+            x, y = torch.randn(SLICE, 6, generator=generator), torch.randn(SLICE, 2, generator=generator)
+            return F.mse_loss(ensemble(x), y.expand(3, -1, -1))
+
+        loop.backward(opt, params, loss_of)
+        opt.step()
+    loop.sync(opt)
+    return {"params": [p.detach().clone() for p in params]}
+
+
+def pruning_loop(loop: Loop) -> dict:
+    """Iterative magnitude pruning after wrapping: ``torch.nn.utils.prune.l1_unstructured``
+    (the weight becomes ``weight_orig`` times a mask in a forward pre-hook), fine-tuning,
+    global pruning of two layers, then ``prune.remove`` (``orig.data = pruned``) and more
+    training."""
+    from torch.nn.utils import prune
+
+    model = Regressor()
+    params = list(model.parameters())
+    opt = loop.wrap(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model)
+    for step in range(6):
+        if step == 1:
+            prune.l1_unstructured(model.second, "weight", amount=0.3)
+        elif step == 3:
+            prune.global_unstructured(
+                [(model.first, "weight"), (model.head, "weight")], prune.L1Unstructured, amount=0.4
+            )
+        elif step == 5:
+            for module in (model.first, model.second, model.head):
+                prune.remove(module, "weight")
+        loop.zero_grad(opt)
+        loop.backward(
+            opt,
+            params,
+            lambda index, step=step: F.mse_loss(
+                model(_sine_task(step, index)[0]), _sine_task(step, index)[1]
+            ),
+        )
+        opt.step()
+    loop.sync(opt)
+    return {"params": _snapshot(model)}
+
+
 # -- distillation, contrastive ---------------------------------------------------------------------
 
 
@@ -611,6 +709,9 @@ def _jobs() -> dict[str, Callable[[], object]]:
         "target_network": lambda: _modes(target_network_loop),
         "actor_critic_both_wrapped": lambda: _modes(actor_critic_both_wrapped_loop),
         "channels_last_after_wrapping": lambda: _modes(channels_last_after_wrapping_loop),
+        "adversarial": lambda: _modes(adversarial_loop, model_free=False),
+        "ensemble": lambda: _modes(ensemble_loop),
+        "pruning": lambda: _modes(pruning_loop),
     }
 
 
@@ -668,3 +769,25 @@ def test_memory_format_change_after_wrapping_keeps_grads_in_the_buffers(
     opt.sync_params()
     torch.testing.assert_close(_snapshot(model), _snapshot(reference), rtol=0, atol=0)
     opt.close()
+
+
+@pytest.mark.parametrize("kind", [nn.Embedding, nn.EmbeddingBag])
+@pytest.mark.parametrize("attach_later", [False, True])
+def test_embedding_with_max_norm_is_refused_naming_the_fix(
+    single_rank_group, kind: type, attach_later: bool
+) -> None:
+    """Recommenders' and word2vec's ``max_norm``: every forward renormalizes in place the rows
+    its rank looked up, so the ranks' copies disagree and the all-gather keeps the shard
+    owner's rows (2.97 off plain torch on 2 ranks)."""
+    model = nn.Sequential(kind(9, 4, max_norm=1.0), nn.Linear(4, 2))
+    optimizer = torch.optim.Adam(model.parameters())
+    with pytest.raises(ValueError, match=r"0 \(Embedding(Bag)?\) has max_norm=1.0.*max_norm=None.*renorm_"):
+        if attach_later:
+            ShardingStage1(optimizer).attach(model)
+        else:
+            ShardingStage1(optimizer, model=model)
+
+
+def test_embedding_with_max_norm_outside_the_optimizer_is_accepted(single_rank_group) -> None:
+    model = nn.Sequential(nn.Embedding(9, 4, max_norm=1.0), nn.Linear(4, 2))
+    ShardingStage1(torch.optim.Adam(model[1].parameters()), model=model).close()
