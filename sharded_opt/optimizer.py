@@ -827,7 +827,10 @@ class ShardingStage1(torch.optim.Optimizer):
             raise RuntimeError(
                 f"ShardingStage1(overlap=True): grads of params {dropped[:8]} (optimizer order) were set "
                 "to None after backward, when they were already being reduced. Zero grads before "
-                "backward (opt.zero_grad() or model.zero_grad()), not between backward and step()"
+                "backward (opt.zero_grad() or model.zero_grad()), not between backward and step(); to "
+                "leave params out of one step (DINO's cancel_gradients_last_layer), freeze them before "
+                "the forward with requires_grad_(False) and unfreeze them after step(), or use "
+                "overlap=False, where a grad set to None after backward means no grad as in torch"
             )
 
     def _restart_grad_sync(self) -> None:

@@ -691,6 +691,135 @@ def contrastive_loop(loop: Loop) -> dict:
     return {"params": _snapshot(encoder)}
 
 
+class TwoTowers(nn.Module):
+    """CLIP-shaped: an image and a text tower and a learned temperature (a 0-dim param)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.image = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 8))
+        self.text = nn.Sequential(nn.Embedding(TOKENS, 8), nn.Flatten(), nn.Linear(24, 8))
+        self.logit_scale = nn.Parameter(torch.tensor(2.6592))
+
+    def forward(self, images: torch.Tensor, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.normalize(self.image(images), dim=-1), F.normalize(self.text(texts), dim=-1)
+
+
+def clip_loop(loop: Loop) -> dict:
+    """OpenCLIP's loop with ``gather_with_grad=False``: other ranks' features gathered by the
+    plain ``dist.all_gather`` (no grad) with this rank's own features put back in their place,
+    ``logit_scale.exp()`` as the temperature, and ``logit_scale.clamp_(0, log 100)`` under
+    ``no_grad`` right after ``step()``. The plain reference detaches the other slices'
+    features in each slice's loss, as the gather does."""
+    model = TwoTowers()
+    params = list(model.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.2}, {"params": rest, "weight_decay": 0.0}]
+    opt = loop.wrap(torch.optim.AdamW(groups, lr=5e-2, betas=(0.9, 0.98), eps=1e-6), model)
+
+    def pair(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(10 * step + index)
+        return torch.randn(SLICE, 6, generator=generator), torch.randint(
+            0, TOKENS, (SLICE, 3), generator=generator
+        )
+
+    for step in range(4):
+        loop.zero_grad(opt)
+
+        def loss_of(index: int, step: int = step) -> torch.Tensor:
+            image, text = model(*pair(step, index))
+            if loop.sharded:
+                images = [torch.empty_like(image) for _ in range(loop.world_size)]
+                texts = [torch.empty_like(text) for _ in range(loop.world_size)]
+                dist.all_gather(images, image)
+                dist.all_gather(texts, text)
+            else:
+                with torch.no_grad():
+                    features = [model(*pair(step, r)) for r in range(loop.world_size)]
+                images, texts = [f[0] for f in features], [f[1] for f in features]
+            images[index], texts[index] = image, text
+            logits = model.logit_scale.exp() * image @ torch.cat(texts).t()
+            logits_text = model.logit_scale.exp() * text @ torch.cat(images).t()
+            labels = torch.arange(SLICE) + index * SLICE
+            return (F.cross_entropy(logits, labels) + F.cross_entropy(logits_text, labels)) / 2
+
+        loop.backward(opt, params, loss_of)
+        opt.step()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, 3.0)
+    loop.sync(opt)
+    return {"params": _snapshot(model)}
+
+
+class DinoHead(nn.Module):
+    """DINO's projection head: an MLP, then a weight-normalized last layer whose norm is frozen
+    at 1 (``norm_last_layer``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 8))
+        self.last_layer = torch.nn.utils.parametrizations.weight_norm(nn.Linear(8, 10, bias=False))
+        self.last_layer.parametrizations.weight.original0.data.fill_(1.0)
+        self.last_layer.parametrizations.weight.original0.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last_layer(F.normalize(self.backbone(x), dim=-1))
+
+
+def dino_loop(loop: Loop) -> dict:
+    """DINO: two crops through student and EMA teacher, the teacher's outputs centered and
+    sharpened, the center updated from every rank's teacher outputs (``dist.all_reduce``);
+    during the first two steps the last layer is left out of the update (DINO sets its grads
+    to None after backward; in overlap mode, where that is refused, it is frozen before the
+    forward, the fix the error names)."""
+    student = DinoHead()
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    params = list(student.parameters())
+    last = [p for p in student.last_layer.parameters() if p.requires_grad]
+    opt = loop.wrap(torch.optim.AdamW(student.parameters(), lr=1e-2, weight_decay=0.04), student)
+    center = torch.zeros(10)
+
+    def crops(step: int, index: int) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(10 * step + index)
+        x = torch.randn(SLICE, 6, generator=generator)
+        return [x + 0.2 * torch.randn(SLICE, 6, generator=generator) for _ in range(2)]
+
+    for step in range(4):
+        cancel_last = step < 2
+        if cancel_last and loop.overlap:
+            for p in last:
+                p.requires_grad_(False)
+        loop.zero_grad(opt)
+
+        def loss_of(index: int, step: int = step, center: torch.Tensor = center) -> torch.Tensor:
+            views = crops(step, index)
+            with torch.no_grad():
+                targets = [F.softmax((teacher(v) - center) / 0.04, dim=-1) for v in views]
+            outputs = [F.log_softmax(student(v) / 0.1, dim=-1) for v in views]
+            terms = [-(targets[i] * outputs[j]).sum(-1).mean() for i in range(2) for j in range(2) if i != j]
+            return sum(terms) / len(terms)
+
+        loop.backward(opt, params, loss_of)
+        if cancel_last and not loop.overlap:
+            for p in last:
+                p.grad = None
+        opt.step()
+        for p in last:
+            p.requires_grad_(True)
+        with torch.no_grad():
+            for t, s in zip(teacher.parameters(), student.parameters(), strict=True):
+                t.data.mul_(0.9).add_(0.1 * s.detach().data)
+            slices = loop.slices()
+            batch_center = sum(teacher(torch.cat(crops(step, index))).sum(0) for index in slices)
+            if loop.sharded:
+                dist.all_reduce(batch_center)
+            center = center * 0.9 + 0.1 * batch_center / (2 * SLICE * loop.world_size)
+    loop.sync(opt)
+    return {"params": _snapshot(student), "teacher": _snapshot(teacher), "center": center}
+
+
 # -- the fixture -----------------------------------------------------------------------------------
 
 
@@ -712,6 +841,8 @@ def _jobs() -> dict[str, Callable[[], object]]:
         "adversarial": lambda: _modes(adversarial_loop, model_free=False),
         "ensemble": lambda: _modes(ensemble_loop),
         "pruning": lambda: _modes(pruning_loop),
+        "clip": lambda: _modes(clip_loop),
+        "dino": lambda: _modes(dino_loop),
     }
 
 
@@ -791,3 +922,18 @@ def test_embedding_with_max_norm_is_refused_naming_the_fix(
 def test_embedding_with_max_norm_outside_the_optimizer_is_accepted(single_rank_group) -> None:
     model = nn.Sequential(nn.Embedding(9, 4, max_norm=1.0), nn.Linear(4, 2))
     ShardingStage1(torch.optim.Adam(model[1].parameters()), model=model).close()
+
+
+def test_grads_dropped_after_backward_in_overlap_mode_name_freezing(single_rank_group) -> None:
+    """DINO's ``cancel_gradients_last_layer`` (``p.grad = None`` after backward) in overlap mode,
+    where the grads were already being reduced: the error names freezing before the forward."""
+    model = DinoHead()
+    opt = ShardingStage1(torch.optim.AdamW(model.parameters()), overlap=True, model=model)
+    model(torch.randn(SLICE, 6)).sum().backward()
+    for p in model.last_layer.parameters():
+        p.grad = None
+    with pytest.raises(
+        RuntimeError, match=r"set to None after backward.*requires_grad_\(False\).*overlap=False"
+    ):
+        opt.step()
+    opt.close()
