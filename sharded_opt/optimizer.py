@@ -895,6 +895,25 @@ class ShardingStage1(torch.optim.Optimizer):
                 self._finish_grads([bucket_index])
                 stepped += self._step_buckets([bucket_index], kwargs)
         self._comm.start_param_sync(b for b in self._gather_order if b in stepped)
+        self._mark_params_updated(stepped)
+
+    def _mark_params_updated(self, bucket_indices: list[int]) -> None:
+        """Bump the version counter of every param the step changed, as torch's in-place
+        optimizer update does: a graph built before ``step()`` that saved a param for its
+        backward (``loss1.backward(retain_graph=True); opt.step(); loss2.backward()``) then
+        raises torch's "modified by an inplace operation" error instead of silently
+        differentiating through the new weights. The update itself went through the flat
+        buffers, whose views count versions apart from the params (Note [Writes while params
+        are gathered] in ``param_hooks``), so the params' own counters need the bump; it comes
+        before ``gathers_started`` records them."""
+        params = self._buffers.params
+        updated = []
+        for bucket_index in bucket_indices:
+            slots = self._buffers.plan.buckets[bucket_index].slots
+            present = self._presence.agreed(bucket_index)
+            updated += [params[slot.param_index] for slot, flag in zip(slots, present, strict=True) if flag]
+        if updated:
+            torch.autograd.graph.increment_version(updated)
 
     def _finish_grads(self, bucket_indices: list[int]) -> None:
         if self._grads_reduced:

@@ -937,3 +937,34 @@ def test_grads_dropped_after_backward_in_overlap_mode_name_freezing(single_rank_
     ):
         opt.step()
     opt.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_backward_through_a_graph_from_before_step_raises_as_in_torch(
+    single_rank_group, overlap: bool
+) -> None:
+    """RL and GAN code that steps between two backwards of one graph
+    (``loss1.backward(retain_graph=True); opt.step(); loss2.backward()``): torch raises, as the
+    graph saved weights the step changed in place; the wrapper raises the same error instead
+    of differentiating through the new weights."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=overlap, model=model)
+    out = model(torch.randn(2, 3))
+    out.sum().backward(retain_graph=True)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.square().sum().backward()
+    opt.close()
+
+
+def test_params_left_out_of_a_step_keep_their_versions(single_rank_group) -> None:
+    """Only the params the step changed count as modified, as in torch: a param no backward
+    reached keeps its version, so a graph that saved it can still be differentiated."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    opt = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True, model=model)
+    model[0](torch.randn(2, 3)).sum().backward()
+    reached, left_out = ([p._version for p in m.parameters()] for m in model)
+    opt.step()
+    assert [p._version for p in model[1].parameters()] == left_out
+    assert all(p._version > v for p, v in zip(model[0].parameters(), reached, strict=True))
+    opt.close()
