@@ -816,9 +816,10 @@ class ShardingStage1(torch.optim.Optimizer):
                     grad.zero_()
 
     def _check_grads_not_dropped(self) -> None:
-        """In overlap mode which params have grads is shared when their bucket is launched;
-        grads set to None after that (``model.zero_grad()`` between backward and ``step()``)
-        would be stepped anyway, so that is refused."""
+        """In overlap mode which params have grads is shared when their bucket is launched, and
+        the bucket's grads are read then: grads set to None after that (``model.zero_grad()``
+        between backward and ``step()``) would be stepped anyway, and grads replaced after that
+        (``p.grad = p.grad.clamp(...)``) would be silently ignored, so both are refused."""
         if not self.overlap:
             return
         params = self._buffers.params
@@ -831,6 +832,21 @@ class ShardingStage1(torch.optim.Optimizer):
                 "leave params out of one step (DINO's cancel_gradients_last_layer), freeze them before "
                 "the forward with requires_grad_(False) and unfreeze them after step(), or use "
                 "overlap=False, where a grad set to None after backward means no grad as in torch"
+            )
+        views = self._buffers.grad_views
+        replaced = [
+            i
+            for i, flag in enumerate(self._local_presence)
+            if flag and params[i].grad is not None and params[i].grad is not views[i]
+        ]
+        if replaced:
+            raise RuntimeError(
+                f"ShardingStage1(overlap=True): grads of params {replaced[:8]} (optimizer order) were "
+                "replaced (`param.grad = g`) after backward, when the grads backward produced were "
+                "already being reduced, so the new ones would be ignored. To clip, call "
+                "opt.clip_grad_norm_(max_norm) or opt.clip_grad_value_(clip_value) instead; grads "
+                "computed without a backward (assigned after opt.zero_grad()) are taken as they are; "
+                "with overlap=False an assigned grad is averaged over the ranks like any other"
             )
 
     def _restart_grad_sync(self) -> None:

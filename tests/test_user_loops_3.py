@@ -968,3 +968,21 @@ def test_params_left_out_of_a_step_keep_their_versions(single_rank_group) -> Non
     assert [p._version for p in model[1].parameters()] == left_out
     assert all(p._version > v for p, v in zip(model[0].parameters(), reached, strict=True))
     opt.close()
+
+
+def test_grads_replaced_after_backward_in_overlap_mode_are_refused(single_rank_group) -> None:
+    """``p.grad = p.grad.clamp(...)`` after backward (RL code clipping by hand): in overlap mode
+    the buckets were already being reduced from the grads backward produced, so the new grads
+    were silently ignored (a step 1.8e-2 off plain torch); now it raises naming the wrappers'
+    clipping."""
+    model = Regressor()
+    opt = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True, model=model)
+    x, y = _sine_task(0, 0)[:2]
+    F.mse_loss(model(x), y).backward()
+    for p in model.parameters():
+        p.grad = p.grad.clamp(-0.1, 0.1)
+    with pytest.raises(
+        RuntimeError, match=r"replaced \(`param.grad = g`\) after backward.*opt.clip_grad_value_"
+    ):
+        opt.step()
+    opt.close()
