@@ -1,10 +1,14 @@
 """Training loops from other domains, written the way their users write them (a third round
 after ``tests/test_user_loops.py`` and ``tests/test_user_loops_2.py``, whose harness this module
-reuses): a ResNet-style CNN with BatchNorm, ``channels_last``, bf16 autocast, mixup, label
-smoothing and SWA; a MoCo/BYOL momentum encoder; an LSTM language model with packed sequences,
-a tied decoder and truncated BPTT; actor-critic with two optimizers; ``torch.func`` (a MAML
-outer step, ``functional_call`` and per-sample grads right after ``step()``); distillation;
-and a contrastive loss over the differentiable ``all_gather``.
+reuses): vision (a ResNet-style CNN with BatchNorm, ``channels_last``, bf16 autocast, mixup,
+label smoothing and SWA; ``channels_last`` after wrapping; adversarial training; pruning), self-
+supervised and contrastive learning (a MoCo/BYOL momentum encoder, DINO, SimCLR over the
+differentiable ``all_gather``, OpenCLIP's gather without grad), sequences (an LSTM language
+model with packed sequences, a tied decoder and truncated BPTT; an RNN made orthogonal after
+wrapping), reinforcement learning (actor-critic with one or two optimizers and two backwards of
+one graph, target networks, PPO), ``torch.func`` (MAML, Reptile, ``functional_call`` and
+per-sample grads right after ``step()``, an ensemble from ``stack_module_state``) and
+distillation from a frozen teacher.
 
 Each loop runs plain (one process, every slice), sharded sync, sharded overlap with the model
 attached, and sharded overlap without a model; all loops of a world size run in one spawn.
@@ -820,6 +824,71 @@ def dino_loop(loop: Loop) -> dict:
     return {"params": _snapshot(student), "teacher": _snapshot(teacher), "center": center}
 
 
+def ppo_loop(loop: Loop) -> dict:
+    """PPO (CleanRL-style): a rollout's old log-probs and values under ``no_grad``, then two
+    epochs of two minibatches each with normalized advantages, the clipped surrogate, a clipped
+    value loss and an entropy bonus, ``clip_grad_norm_(0.5)`` and a linearly annealed lr."""
+    model = ActorCritic()
+    params = list(model.parameters())
+    opt = loop.wrap(torch.optim.Adam(model.parameters(), lr=3e-2, eps=1e-5), model)
+    rollouts = {index: _rollout(0, index) for index in range(loop.world_size)}
+    with torch.no_grad():
+        old = {}
+        for index, (obs, actions, _) in rollouts.items():
+            policy, values = model(obs)
+            old[index] = (policy.log_prob(actions), values)
+    norms = []
+    for epoch in range(2):
+        opt.param_groups[0]["lr"] = 3e-2 * (1 - epoch / 2)
+        for minibatch in range(2):
+            loop.zero_grad(opt)
+
+            def loss_of(index: int, minibatch: int = minibatch) -> torch.Tensor:
+                rows = slice(2 * minibatch, 2 * minibatch + 2)
+                obs, actions, returns = (t[rows] for t in rollouts[index])
+                old_log_prob, old_values = (t[rows] for t in old[index])
+                advantages = returns - old_values
+                advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+                policy, values = model(obs)
+                ratio = (policy.log_prob(actions) - old_log_prob).exp()
+                surrogate = torch.max(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2)).mean()
+                clipped = old_values + (values - old_values).clamp(-0.2, 0.2)
+                value_loss = 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2).mean()
+                return surrogate + 0.5 * value_loss - 0.01 * policy.entropy().mean()
+
+            loop.backward(opt, params, loss_of)
+            norms.append(loop.clip(opt, params, 0.5))
+            opt.step()
+    loop.sync(opt)
+    return {"params": _snapshot(model), "norms": norms}
+
+
+def orthogonal_rnn_loop(loop: Loop) -> dict:
+    """An RNN whose recurrent weight gets ``parametrizations.orthogonal`` after wrapping and
+    one step (its original is rewritten in place by ``right_inverse``), trained on."""
+    torch.manual_seed(0)
+    rnn = nn.RNN(4, 6, batch_first=True)
+    head = nn.Linear(6, 1)
+    model = nn.ModuleDict({"rnn": rnn, "head": head})
+    params = list(model.parameters())
+    opt = loop.wrap(torch.optim.RMSprop(model.parameters(), lr=1e-2), model)
+    for step in range(4):
+        if step == 1:
+            torch.nn.utils.parametrizations.orthogonal(rnn, "weight_hh_l0")
+        loop.zero_grad(opt)
+
+        def loss_of(index: int, step: int = step) -> torch.Tensor:
+            generator = torch.Generator().manual_seed(10 * step + index)
+            x, y = torch.randn(SLICE, 5, 4, generator=generator), torch.randn(SLICE, 1, generator=generator)
+            out, _ = rnn(x)
+            return F.mse_loss(head(out[:, -1]), y)
+
+        loop.backward(opt, params, loss_of)
+        opt.step()
+    loop.sync(opt)
+    return {"params": _snapshot(model)}
+
+
 # -- the fixture -----------------------------------------------------------------------------------
 
 
@@ -843,10 +912,12 @@ def _jobs() -> dict[str, Callable[[], object]]:
         "pruning": lambda: _modes(pruning_loop),
         "clip": lambda: _modes(clip_loop),
         "dino": lambda: _modes(dino_loop),
+        "ppo": lambda: _modes(ppo_loop),
+        "orthogonal_rnn": lambda: _modes(orthogonal_rnn_loop),
     }
 
 
-THREE_RANK_JOBS = ("actor_critic_two_backwards", "contrastive", "momentum_encoder")
+THREE_RANK_JOBS = ("actor_critic_two_backwards", "contrastive", "clip", "momentum_encoder")
 """Loops run on 3 ranks too: shards then split params and groups at other offsets."""
 
 
