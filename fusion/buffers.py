@@ -51,6 +51,8 @@ class FlatBuffers:
         self.grad_buffers: list[Tensor | None] = [None] * len(plan.buckets)
         self.param_views: list[Tensor | None] = [None] * len(params)
         self.grad_views: list[Tensor | None] = [None] * len(params)
+        self.grad_addresses: list[int | None] = [None] * len(params)
+        """Where each grad view starts in its bucket's grad buffer (see :meth:`adopt_grad`)."""
         self.laid_out_indices = [slot.param_index for bucket in plan.buckets for slot in bucket.slots]
         with torch.no_grad():
             for bucket in plan.buckets:
@@ -88,6 +90,7 @@ class FlatBuffers:
                 grad_view.copy_(param.grad)
             param.grad = grad_view
             self.grad_views[slot.param_index] = grad_view
+            self.grad_addresses[slot.param_index] = grad_view.data_ptr()
         self.grad_buffers[bucket_index] = grad_buffer
         return True
 
@@ -106,6 +109,8 @@ class FlatBuffers:
         for bucket_index, grad_buffer in enumerate(self.grad_buffers):
             if grad_buffer is None:
                 continue
+            for slot in self.plan.buckets[bucket_index].slots:
+                self._reattach_grad_view(slot.param_index)
             grad_buffer.zero_()
             for slot in self.plan.buckets[bucket_index].slots:
                 self.params[slot.param_index].grad = self.grad_views[slot.param_index]
@@ -115,13 +120,16 @@ class FlatBuffers:
 
         Code outside the wrapper may set ``.grad = None`` (``model.zero_grad()``) or assign a new
         tensor. ``None`` means "no grad": the view is zeroed. A foreign tensor's values are copied
-        into the view. A grad that already is the view is left alone, values included. The
-        param's bucket must have a grad buffer.
+        into the view. A grad that already is the view is left alone, values included, but put
+        back into the buffer if its own ``.data`` was replaced (see
+        :meth:`_reattach_grad_view`). The param's bucket must have a grad buffer.
         """
         param = self.params[param_index]
         view = self.grad_views[param_index]
         grad = param.grad
         if grad is view:
+            if view is not None:
+                self._reattach_grad_view(param_index)
             return False
         if view is None:
             raise RuntimeError(f"FlatBuffers.adopt_grad: param {param_index}'s bucket has no grad buffer")
@@ -132,6 +140,25 @@ class FlatBuffers:
                 view.copy_(grad)
         param.grad = view
         return True
+
+    def _reattach_grad_view(self, param_index: int) -> None:
+        """Point a grad view whose ``.data`` was replaced back into its bucket's grad buffer,
+        keeping its values and the tensor object (hooks and ``param.grad`` hold it).
+
+        ``nn.Module._apply`` (``model.to(memory_format=...)``, ``model.cpu()``) replaces
+        ``param.grad.data`` as well as ``param.data``: the grad view then no longer aliases the
+        buffer, backward accumulates into memory the collectives never read, and the step would
+        use zeros or stale grads for that param (a channels_last conversion after wrapping left
+        a conv's first step 7e-3 off plain torch)."""
+        view = self.grad_views[param_index]
+        if view is None or view.data_ptr() == self.grad_addresses[param_index]:
+            return
+        slot = self.plan.slot(param_index)
+        grad_buffer = self._grad_buffer(slot.bucket_index)
+        home = view_slot(grad_buffer[slot.offset : slot.offset + slot.numel], slot)
+        with torch.no_grad():
+            home.copy_(view)
+        view.data = home
 
     def adopt_param(self, param_index: int) -> None:
         """Copy the values of a param whose ``.data`` was replaced (``param.data = t``) into its

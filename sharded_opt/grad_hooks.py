@@ -337,7 +337,7 @@ class _AccumulateGradHook(CopiesAsInert):
     retired (a newer tracker took the param, see :func:`_retire_older_hooks`); copies and
     pickles are :class:`~sharded_opt.weak_hooks.InertHook` (Note [Hook lifetimes and copies])."""
 
-    __slots__ = ("_tracker", "_index", "_bucket_index", "_grad_view", "retired")
+    __slots__ = ("_tracker", "_index", "_bucket_index", "_grad_view", "_grad_address", "retired")
 
     def __init__(self, tracker: GradReadyTracker, index: int, bucket_index: int) -> None:
         buffers = tracker._buffers
@@ -348,6 +348,7 @@ class _AccumulateGradHook(CopiesAsInert):
         self._index = index
         self._bucket_index = bucket_index
         self._grad_view = grad_view
+        self._grad_address = buffers.grad_addresses[index]
         self.retired = False
 
     def __call__(self, param: Tensor) -> None:
@@ -355,7 +356,8 @@ class _AccumulateGradHook(CopiesAsInert):
         if tracker is None or self.retired:
             return
         index, bucket_index = self._index, self._bucket_index
-        if param.grad is not self._grad_view:
+        grad = param.grad
+        if grad is not self._grad_view or grad.data_ptr() != self._grad_address:  # assigned, or moved
             tracker._buffers.adopt_grad(index)
         tracker.received[index] = 1
         # A view shares its bucket buffer's version counter, see Note [Grads written after backward].

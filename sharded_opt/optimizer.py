@@ -90,9 +90,9 @@ from sharded_opt.strategy import Strategy
 from sharded_opt.streams import on_stream
 from sharded_opt.validation import (
     ELEMENTWISE_OPTIMIZERS,
-    check_dense_grads,
     check_optimizer,
     check_same_layout,
+    check_trained_modules,
     collect_params,
 )
 from sharded_opt.weak_hooks import remove_handles
@@ -136,7 +136,8 @@ class ShardingStage1(torch.optim.Optimizer):
         TypeError: ``optimizer`` is not a supported ``torch.optim.Optimizer``; bad argument types
             (``device_mesh`` that is not a ``DeviceMesh``).
         ValueError: no trainable params, duplicate or sparse params, a ``model`` module that
-            makes sparse grads (``nn.Embedding(sparse=True)``), params on several devices,
+            makes sparse grads (``nn.Embedding(sparse=True)``) or renormalizes its weight in
+            forward (``nn.Embedding(max_norm=...)``), params on several devices,
             ranks with different params, an optimizer that already stepped or is already wrapped;
             a ``degree`` that does not divide the world size, a ``device_mesh`` that is not 2-D or
             comes with ``process_group`` or ``degree``.
@@ -165,7 +166,7 @@ class ShardingStage1(torch.optim.Optimizer):
         _check_not_stepped(optimizer)
         params, specs = collect_params(optimizer)
         if model is not None:
-            check_dense_grads(model, params)
+            check_trained_modules(model, params)
         groups = resolve_shard_groups(process_group, config.degree, device_mesh, config.enable)
         group, rank, world_size = groups.world, dist.get_rank(groups.world), dist.get_world_size(groups.world)
         check_same_layout(specs, group, world_size)
@@ -455,12 +456,12 @@ class ShardingStage1(torch.optim.Optimizer):
 
         Raises:
             ValueError: ``model`` does not own all the optimizer's trainable params, a module of
-                it makes sparse grads for them (``nn.Embedding(sparse=True)``), or a model is
-                already attached.
+                it makes sparse grads for them (``nn.Embedding(sparse=True)``) or renormalizes
+                them in forward (``nn.Embedding(max_norm=...)``), or a model is already attached.
         """
         if self._param_waiter is not None:
             raise ValueError("ShardingStage1.attach: a model is already attached to this optimizer")
-        check_dense_grads(model, self._buffers.params)
+        check_trained_modules(model, self._buffers.params)
         self._attach(model)
 
     def _attach(self, model: nn.Module) -> None:
@@ -815,9 +816,10 @@ class ShardingStage1(torch.optim.Optimizer):
                     grad.zero_()
 
     def _check_grads_not_dropped(self) -> None:
-        """In overlap mode which params have grads is shared when their bucket is launched;
-        grads set to None after that (``model.zero_grad()`` between backward and ``step()``)
-        would be stepped anyway, so that is refused."""
+        """In overlap mode which params have grads is shared when their bucket is launched, and
+        the bucket's grads are read then: grads set to None after that (``model.zero_grad()``
+        between backward and ``step()``) would be stepped anyway, and grads replaced after that
+        (``p.grad = p.grad.clamp(...)``) would be silently ignored, so both are refused."""
         if not self.overlap:
             return
         params = self._buffers.params
@@ -826,7 +828,25 @@ class ShardingStage1(torch.optim.Optimizer):
             raise RuntimeError(
                 f"ShardingStage1(overlap=True): grads of params {dropped[:8]} (optimizer order) were set "
                 "to None after backward, when they were already being reduced. Zero grads before "
-                "backward (opt.zero_grad() or model.zero_grad()), not between backward and step()"
+                "backward (opt.zero_grad() or model.zero_grad()), not between backward and step(); to "
+                "leave params out of one step (DINO's cancel_gradients_last_layer), freeze them before "
+                "the forward with requires_grad_(False) and unfreeze them after step(), or use "
+                "overlap=False, where a grad set to None after backward means no grad as in torch"
+            )
+        views = self._buffers.grad_views
+        replaced = [
+            i
+            for i, flag in enumerate(self._local_presence)
+            if flag and params[i].grad is not None and params[i].grad is not views[i]
+        ]
+        if replaced:
+            raise RuntimeError(
+                f"ShardingStage1(overlap=True): grads of params {replaced[:8]} (optimizer order) were "
+                "replaced (`param.grad = g`) after backward, when the grads backward produced were "
+                "already being reduced, so the new ones would be ignored. To clip, call "
+                "opt.clip_grad_norm_(max_norm) or opt.clip_grad_value_(clip_value) instead; grads "
+                "computed without a backward (assigned after opt.zero_grad()) are taken as they are; "
+                "with overlap=False an assigned grad is averaged over the ranks like any other"
             )
 
     def _restart_grad_sync(self) -> None:
@@ -891,6 +911,25 @@ class ShardingStage1(torch.optim.Optimizer):
                 self._finish_grads([bucket_index])
                 stepped += self._step_buckets([bucket_index], kwargs)
         self._comm.start_param_sync(b for b in self._gather_order if b in stepped)
+        self._mark_params_updated(stepped)
+
+    def _mark_params_updated(self, bucket_indices: list[int]) -> None:
+        """Bump the version counter of every param the step changed, as torch's in-place
+        optimizer update does: a graph built before ``step()`` that saved a param for its
+        backward (``loss1.backward(retain_graph=True); opt.step(); loss2.backward()``) then
+        raises torch's "modified by an inplace operation" error instead of silently
+        differentiating through the new weights. The update itself went through the flat
+        buffers, whose views count versions apart from the params (Note [Writes while params
+        are gathered] in ``param_hooks``), so the params' own counters need the bump; it comes
+        before ``gathers_started`` records them."""
+        params = self._buffers.params
+        updated = []
+        for bucket_index in bucket_indices:
+            slots = self._buffers.plan.buckets[bucket_index].slots
+            present = self._presence.agreed(bucket_index)
+            updated += [params[slot.param_index] for slot, flag in zip(slots, present, strict=True) if flag]
+        if updated:
+            torch.autograd.graph.increment_version(updated)
 
     def _finish_grads(self, bucket_indices: list[int]) -> None:
         if self._grads_reduced:

@@ -86,22 +86,39 @@ def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list
     return params, specs
 
 
-def check_dense_grads(model: nn.Module, params: list[Tensor]) -> None:
-    """Refuse modules of ``model`` that give the optimizer's params sparse grads
-    (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``): autograd would add each
-    sparse grad into the param's dense flat grad view, silently giving up the memory the user
-    asked sparse grads for, and an optimizer that refuses sparse grads (Adam) would train
-    instead of raising as it does in plain torch."""
+def check_trained_modules(model: nn.Module, params: list[Tensor]) -> None:
+    """Refuse modules of ``model`` whose use of the optimizer's params the flat buffers cannot
+    follow:
+
+    - sparse grads (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``): autograd
+      would add each sparse grad into the param's dense flat grad view, silently giving up the
+      memory the user asked sparse grads for, and an optimizer that refuses sparse grads (Adam)
+      would train instead of raising as it does in plain torch;
+    - ``max_norm`` on an embedding: every forward renormalizes, in place, the rows its own
+      batch looks up, so each rank renormalizes other rows; the owner of a shard steps its copy
+      and the all-gather overwrites the renormalized rows of every other rank (on 2 ranks a
+      row ended 2.97 off plain torch, which renormalizes every row looked up by any sample).
+    """
     trained = {id(param) for param in params}
     for name, module in model.named_modules():
-        sparse = isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
-        if sparse and id(module.weight) in trained:
+        if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or id(module.weight) not in trained:
+            continue
+        where = f"{name or 'the model'} ({type(module).__name__})"
+        if module.sparse:
             raise ValueError(
-                f"ShardingStage1 expects dense grads but {name or 'the model'} "
-                f"({type(module).__name__}) has sparse=True; the wrapper reduces flat dense grad "
-                "buffers, so build it with sparse=False (its grads then cost the weight's size), or "
-                "keep the sparse module out of the wrapped optimizer and train it with "
-                "torch.optim.SparseAdam, averaging its grads yourself"
+                f"ShardingStage1 expects dense grads but {where} has sparse=True; the wrapper "
+                "reduces flat dense grad buffers, so build it with sparse=False (its grads then "
+                "cost the weight's size), or keep the sparse module out of the wrapped optimizer "
+                "and train it with torch.optim.SparseAdam, averaging its grads yourself"
+            )
+        if module.max_norm is not None:
+            raise ValueError(
+                f"ShardingStage1 expects params that only the optimizer writes but {where} has "
+                f"max_norm={module.max_norm}: each forward renormalizes in place the rows its own "
+                "rank looks up, and the shards' all-gather would undo other ranks' renormalization. "
+                "Build it with max_norm=None and renormalize on every rank after opt.step(): "
+                f"`with torch.no_grad(): {name or 'embedding'}.weight.renorm_(2, 0, max_norm)` "
+                "(every row, not only the ones looked up), or keep it out of the wrapped optimizer"
             )
 
 
