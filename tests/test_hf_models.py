@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from sharded_opt import ShardingStage1
-from tests.dist_helper import run_ranks
 from tests.test_user_loops import (
     SLICE,
     Loop,
@@ -45,6 +44,7 @@ from tests.test_user_loops import (
     _late_gathers,
     _snapshot,
     assert_matches_plain,
+    loop_outcome_fixtures,
     run_loop_jobs,
 )
 
@@ -678,14 +678,7 @@ def _run_all(names: tuple[str, ...] | None = None) -> dict[str, object]:
     return run_loop_jobs(_jobs(), names)
 
 
-@pytest.fixture(scope="module")
-def outcomes() -> list[dict[str, object]]:
-    return run_ranks(_run_all, 2)
-
-
-@pytest.fixture(scope="module")
-def outcomes_on_three() -> list[dict[str, object]]:
-    return run_ranks(_run_all, 3, THREE_RANK_JOBS)
+outcomes, outcomes_on_three = loop_outcome_fixtures(_run_all, THREE_RANK_JOBS)
 
 
 @pytest.mark.parametrize("name", LOOP_JOBS)

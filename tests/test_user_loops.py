@@ -664,18 +664,29 @@ def run_loop_jobs(jobs: dict[str, Callable[[], object]], names: tuple[str, ...] 
     return results
 
 
+def loop_outcome_fixtures(
+    run_all: Callable[..., dict[str, object]], three_rank_jobs: tuple[str, ...]
+) -> tuple[Callable[[], list[dict[str, object]]], Callable[[], list[dict[str, object]]]]:
+    """A user-loop module's two module-scoped fixtures, ``outcomes`` and ``outcomes_on_three``:
+    every job of ``run_all`` (a module-level function, so ranks can import it) on 2 ranks in one
+    spawn, and ``three_rank_jobs`` on 3 ranks in another."""
+
+    @pytest.fixture(scope="module")
+    def outcomes() -> list[dict[str, object]]:
+        return run_ranks(run_all, 2)
+
+    @pytest.fixture(scope="module")
+    def outcomes_on_three() -> list[dict[str, object]]:
+        return run_ranks(run_all, 3, three_rank_jobs)
+
+    return outcomes, outcomes_on_three
+
+
 def _run_all(names: tuple[str, ...] | None = None) -> dict[str, object]:
     return run_loop_jobs(_jobs(), names)
 
 
-@pytest.fixture(scope="module")
-def outcomes() -> list[dict[str, object]]:
-    return run_ranks(_run_all, 2)
-
-
-@pytest.fixture(scope="module")
-def outcomes_on_three() -> list[dict[str, object]]:
-    return run_ranks(_run_all, 3, THREE_RANK_JOBS)
+outcomes, outcomes_on_three = loop_outcome_fixtures(_run_all, THREE_RANK_JOBS)
 
 
 @pytest.mark.parametrize("name", sorted(_jobs()))

@@ -30,7 +30,6 @@ from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
-from tests.dist_helper import run_ranks
 from tests.test_ddp_habits import _late_all_gather
 from tests.test_user_loops import (
     SLICE,
@@ -44,6 +43,7 @@ from tests.test_user_loops import (
     _snapshot,
     _xy,
     assert_matches_plain,
+    loop_outcome_fixtures,
     run_loop_jobs,
 )
 
@@ -814,14 +814,7 @@ def _run_all(names: tuple[str, ...] | None = None) -> dict[str, object]:
     return run_loop_jobs(_jobs(), names)
 
 
-@pytest.fixture(scope="module")
-def outcomes() -> list[dict[str, object]]:
-    return run_ranks(_run_all, 2)
-
-
-@pytest.fixture(scope="module")
-def outcomes_on_three() -> list[dict[str, object]]:
-    return run_ranks(_run_all, 3, THREE_RANK_JOBS)
+outcomes, outcomes_on_three = loop_outcome_fixtures(_run_all, THREE_RANK_JOBS)
 
 
 @pytest.mark.parametrize("name", sorted(set(_jobs()) - {"more_ranks"}))

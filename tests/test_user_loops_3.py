@@ -33,9 +33,16 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.optim import swa_utils
 
 from sharded_opt import ShardingStage1, collectives
-from tests.dist_helper import run_ranks
 from tests.test_ddp_habits import _late_all_gather
-from tests.test_user_loops import SLICE, Loop, _average, _snapshot, assert_matches_plain, run_loop_jobs
+from tests.test_user_loops import (
+    SLICE,
+    Loop,
+    _average,
+    _snapshot,
+    assert_matches_plain,
+    loop_outcome_fixtures,
+    run_loop_jobs,
+)
 from tests.test_user_loops_2 import BufferLoop
 
 CLASSES = 5
@@ -925,14 +932,7 @@ def _run_all(names: tuple[str, ...] | None = None) -> dict[str, object]:
     return run_loop_jobs(_jobs(), names)
 
 
-@pytest.fixture(scope="module")
-def outcomes() -> list[dict[str, object]]:
-    return run_ranks(_run_all, 2)
-
-
-@pytest.fixture(scope="module")
-def outcomes_on_three() -> list[dict[str, object]]:
-    return run_ranks(_run_all, 3, THREE_RANK_JOBS)
+outcomes, outcomes_on_three = loop_outcome_fixtures(_run_all, THREE_RANK_JOBS)
 
 
 @pytest.mark.parametrize("name", sorted(_jobs()))
