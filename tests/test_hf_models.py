@@ -376,17 +376,7 @@ def albert_loop(loop: Loop) -> dict:
     model = AlbertForSequenceClassification(config)
     params = list(model.parameters())
     opt = loop.wrap(torch.optim.AdamW(_hf_groups(model, 0.01), lr=5e-3), model)
-    for step in range(2):
-
-        def loss_of(index: int, step: int = step) -> torch.Tensor:
-            _seeded(step, index)
-            return model(**_classify_batch(step, index)).loss
-
-        loop.backward(opt, params, loss_of)
-        opt.step()
-        loop.zero_grad(opt)
-    loop.sync(opt)
-    return {"params": _snapshot(model)}
+    return _train(loop, model, opt, params, 2, lambda step, index: _seeded_classify_loss(model, step, index))
 
 
 def shared_layer_loop(loop: Loop) -> dict:
@@ -400,16 +390,30 @@ def shared_layer_loop(loop: Loop) -> dict:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     params = list(model.parameters())
     opt = loop.wrap(torch.optim.AdamW(model.parameters(), lr=3e-3), model)
-    for step in range(2):
+    return _train(loop, model, opt, params, 2, lambda step, index: model(**_causal_batch(step, index)).loss)
 
-        def loss_of(index: int, step: int = step) -> torch.Tensor:
-            return model(**_causal_batch(step, index)).loss
 
-        loop.backward(opt, params, loss_of)
+def _train(
+    loop: Loop,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    steps: int,
+    loss: Callable[[int, int], torch.Tensor],
+) -> dict:
+    """``steps`` plain training steps of ``loss(step, slice_index)`` (each slice's backward, the
+    step, the loop's zero_grad); returns the final params."""
+    for step in range(steps):
+        loop.backward(opt, params, lambda index, step=step: loss(step, index))
         opt.step()
         loop.zero_grad(opt)
     loop.sync(opt)
     return {"params": _snapshot(model)}
+
+
+def _seeded_classify_loss(model: nn.Module, step: int, index: int) -> torch.Tensor:
+    _seeded(step, index)
+    return model(**_classify_batch(step, index)).loss
 
 
 # -- T5 ------------------------------------------------------------------------------------------
@@ -472,16 +476,7 @@ def mixtral_loop(loop: Loop) -> dict:
     model = MixtralForCausalLM(config)
     params = list(model.parameters())
     opt = loop.wrap(torch.optim.AdamW(model.parameters(), lr=3e-3), model)
-    for step in range(2):
-
-        def loss_of(index: int, step: int = step) -> torch.Tensor:
-            return model(**_causal_batch(step, index)).loss
-
-        loop.backward(opt, params, loss_of)
-        opt.step()
-        loop.zero_grad(opt)
-    loop.sync(opt)
-    return {"params": _snapshot(model)}
+    return _train(loop, model, opt, params, 2, lambda step, index: model(**_causal_batch(step, index)).loss)
 
 
 def switch_loop(loop: Loop) -> dict:
