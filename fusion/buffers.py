@@ -110,10 +110,9 @@ class FlatBuffers:
             if grad_buffer is None:
                 continue
             for slot in self.plan.buckets[bucket_index].slots:
-                self._reattach_grad_view(slot.param_index)
-            grad_buffer.zero_()
-            for slot in self.plan.buckets[bucket_index].slots:
+                self._reattach_grad_view(slot.param_index, keep_values=False)  # zeroed next
                 self.params[slot.param_index].grad = self.grad_views[slot.param_index]
+            grad_buffer.zero_()
 
     def adopt_grad(self, param_index: int) -> bool:
         """Make ``param.grad`` its buffer view again; return True if it had to be re-pointed.
@@ -141,9 +140,10 @@ class FlatBuffers:
         param.grad = view
         return True
 
-    def _reattach_grad_view(self, param_index: int) -> None:
+    def _reattach_grad_view(self, param_index: int, keep_values: bool = True) -> None:
         """Point a grad view whose ``.data`` was replaced back into its bucket's grad buffer,
-        keeping its values and the tensor object (hooks and ``param.grad`` hold it).
+        keeping the tensor object (hooks and ``param.grad`` hold it) and, with ``keep_values``,
+        its values.
 
         ``nn.Module._apply`` (``model.to(memory_format=...)``, ``model.cpu()``) replaces
         ``param.grad.data`` as well as ``param.data``: the grad view then no longer aliases the
@@ -156,8 +156,9 @@ class FlatBuffers:
         slot = self.plan.slot(param_index)
         grad_buffer = self._grad_buffer(slot.bucket_index)
         home = view_slot(grad_buffer[slot.offset : slot.offset + slot.numel], slot)
-        with torch.no_grad():
-            home.copy_(view)
+        if keep_values:
+            with torch.no_grad():
+                home.copy_(view)
         view.data = home
 
     def adopt_param(self, param_index: int) -> None:

@@ -130,6 +130,12 @@ class GradPresence:
         shared, offset = entry
         return shared.values()[offset : offset + len(self._buckets[bucket_index].slots)]
 
+    def params_with_grads(self, bucket_index: int) -> set[int]:
+        """The param indices of the bucket's slots whose param got a grad on some rank (waits,
+        as :meth:`agreed` does)."""
+        slots = self._buckets[bucket_index].slots
+        return {slot.param_index for slot, flag in zip(slots, self.agreed(bucket_index), strict=True) if flag}
+
     def discard(self) -> None:
         """Wait for every flag all-reduce still running and forget them (a new iteration)."""
         for shared, _ in self._pending.values():

@@ -805,14 +805,9 @@ class ShardingStage1(torch.optim.Optimizer):
         ``model.zero_grad()`` set its grad to None keeps its last grad in the grad buffer). They
         would count in the norm, or a past overflow would make the scaler skip every step."""
         for shard in self._comm.live_shards():
-            present = self._presence.agreed(shard.bucket.index)
-            if all(present):
-                continue
-            absent = {
-                slot.param_index for slot, flag in zip(shard.bucket.slots, present, strict=True) if not flag
-            }
+            present = self._presence.params_with_grads(shard.bucket.index)
             for grad, owner in zip(shard.inner_grads, shard.inner_owners, strict=True):
-                if owner in absent:
+                if owner not in present:
                     grad.zero_()
 
     def _check_grads_not_dropped(self) -> None:
@@ -822,8 +817,12 @@ class ShardingStage1(torch.optim.Optimizer):
         (``p.grad = p.grad.clamp(...)``) would be silently ignored, so both are refused."""
         if not self.overlap:
             return
-        params = self._buffers.params
-        dropped = [i for i, flag in enumerate(self._local_presence) if flag and params[i].grad is None]
+        views = self._buffers.grad_views
+        dropped, replaced = [], []
+        for index, param in enumerate(self._buffers.params):
+            grad = param.grad
+            if self._local_presence[index] and grad is not views[index]:
+                (dropped if grad is None else replaced).append(index)
         if dropped:
             raise RuntimeError(
                 f"ShardingStage1(overlap=True): grads of params {dropped[:8]} (optimizer order) were set "
@@ -833,12 +832,6 @@ class ShardingStage1(torch.optim.Optimizer):
                 "the forward with requires_grad_(False) and unfreeze them after step(), or use "
                 "overlap=False, where a grad set to None after backward means no grad as in torch"
             )
-        views = self._buffers.grad_views
-        replaced = [
-            i
-            for i, flag in enumerate(self._local_presence)
-            if flag and params[i].grad is not None and params[i].grad is not views[i]
-        ]
         if replaced:
             raise RuntimeError(
                 f"ShardingStage1(overlap=True): grads of params {replaced[:8]} (optimizer order) were "
@@ -923,11 +916,11 @@ class ShardingStage1(torch.optim.Optimizer):
         are gathered] in ``param_hooks``), so the params' own counters need the bump; it comes
         before ``gathers_started`` records them."""
         params = self._buffers.params
-        updated = []
-        for bucket_index in bucket_indices:
-            slots = self._buffers.plan.buckets[bucket_index].slots
-            present = self._presence.agreed(bucket_index)
-            updated += [params[slot.param_index] for slot, flag in zip(slots, present, strict=True) if flag]
+        updated = [
+            params[index]
+            for bucket_index in bucket_indices
+            for index in self._presence.params_with_grads(bucket_index)
+        ]
         if updated:
             torch.autograd.graph.increment_version(updated)
 
@@ -953,8 +946,7 @@ class ShardingStage1(torch.optim.Optimizer):
             if all(present):
                 group += shard.inner_params
             else:
-                slots = shard.bucket.slots
-                owners = {slot.param_index for slot, flag in zip(slots, present, strict=True) if flag}
+                owners = self._presence.params_with_grads(bucket_index)
                 pieces = zip(shard.inner_params, shard.inner_owners, strict=True)
                 group += [piece for piece, owner in pieces if owner in owners]
         if any(groups) or not self._step_per_bucket:
