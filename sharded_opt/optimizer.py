@@ -52,6 +52,20 @@ Note [Params replaced after wrapping]
     and wrapper, must work while the old wrapper lives on: the new layout drops the leftover
     grad of the old shape (in torch it would be None after ``zero_grad()``), and the old
     wrapper's check passes over params a newer layout took (``FlatBuffers.owns``).
+
+Note [Step hooks]
+    Hooks registered with ``register_step_pre_hook``/``register_step_post_hook`` on the wrapped
+    torch optimizer (an EMA update, a logger, a library's bookkeeping), before or after
+    wrapping, fire around every ``step()`` of the wrapper, as they fired around the torch
+    optimizer's own step: the wrapper registers two hooks of its own, first in its hook lists,
+    that run the wrapped optimizer's current hooks with the wrapped optimizer as their first
+    argument (a pre-hook may replace the arguments, as in torch). The wrapper's own hooks and
+    torch's global ones fire as for any optimizer. The inner optimizer's per-bucket steps are
+    an implementation detail: they run its class's step without torch's hook wrapper, so a
+    global hook (``register_optimizer_step_post_hook``) fires once per ``step()``, never once
+    per bucket with the inner optimizer. Like torch's optimizers that take a scaler's
+    ``found_inf`` (fused Adam), the wrapper's step, and so every hook, runs also when
+    ``ShardedGradScaler`` skips the update.
 """
 
 from __future__ import annotations
@@ -121,8 +135,9 @@ class ShardingStage1(torch.optim.Optimizer):
             on a group of its own over the same ranks (``self.process_group``), so several
             wrappers on one group never mix their collectives; see Note [One communicator per
             wrapper] in ``sharded_opt/validation.py``.
-        model: the module that owns the params. In overlap mode its modules then wait for
-            their own params only, see :meth:`attach`.
+        model: the module that holds the params (some may live outside it, such as a loss
+            module's). In overlap mode its modules then wait for their own params only, see
+            :meth:`attach`.
         assume_elementwise: accept an optimizer class not known to be element-wise, on the
             caller's word that each element's update depends only on its own grad and state.
         device_mesh: hybrid sharding given as FSDP2's HSDP takes it: a 2-D ``DeviceMesh`` whose
@@ -455,7 +470,7 @@ class ShardingStage1(torch.optim.Optimizer):
         wait too. See Note [No stale params] for the contract.
 
         Raises:
-            ValueError: ``model`` does not own all the optimizer's trainable params, a module of
+            ValueError: ``model`` holds none of the optimizer's trainable params, a module of
                 it makes sparse grads for them (``nn.Embedding(sparse=True)``) or renormalizes
                 them in forward (``nn.Embedding(max_norm=...)``), or a model is already attached.
         """
@@ -626,6 +641,9 @@ class ShardingStage1(torch.optim.Optimizer):
         would diverge)."""
         optimizer._sharded_opt_wrapper = weakref.ref(self)
         self._step_refusal = optimizer.register_step_pre_hook(_refuse_wrapped_step)
+        # Note [Step hooks]: first in the wrapper's lists, before any hook a user adds to it.
+        self._hook_handles.append(self.register_step_pre_hook(_run_wrapped_pre_hooks))
+        self._hook_handles.append(self.register_step_post_hook(_run_wrapped_post_hooks))
         optimizer.add_param_group = functools.partial(_refuse_wrapped_add_param_group, type(optimizer))
         self._wrapped_optimizer = weakref.ref(optimizer)
 
@@ -961,7 +979,7 @@ class ShardingStage1(torch.optim.Optimizer):
         try:
             for group, params in zip(inner_groups, params_per_group, strict=True):
                 group["params"] = params
-            self._inner.step(**kwargs)
+            _step_without_hooks(self._inner, kwargs)
         finally:
             for group, params in zip(inner_groups, full, strict=True):
                 group["params"] = params
@@ -1022,6 +1040,47 @@ def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: 
     raise RuntimeError(
         f"this {type(optimizer).__name__} is wrapped by ShardingStage1; call the wrapper's step()"
     )
+
+
+def _user_hooks(hooks: dict[int, Callable[..., Any]]) -> list[Callable[..., Any]]:
+    return [hook for hook in hooks.values() if hook is not _refuse_wrapped_step]
+
+
+def _run_wrapped_pre_hooks(wrapper: ShardingStage1, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The wrapped optimizer's step pre-hooks, see Note [Step hooks]."""
+    original = wrapper._wrapped
+    hooks = _user_hooks(original._optimizer_step_pre_hooks)
+    if not hooks:
+        return None
+    original_args = (original, *args[1:])
+    for hook in hooks:
+        result = hook(original, original_args, kwargs)
+        if result is None:
+            continue
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise RuntimeError(
+                f"the step pre-hook {hook} of the wrapped {type(original).__name__} must return None "
+                f"or a tuple (new_args, new_kwargs) but returned {result!r}"
+            )
+        original_args, kwargs = result
+    return (wrapper, *original_args[1:]), kwargs
+
+
+def _run_wrapped_post_hooks(wrapper: ShardingStage1, args: tuple, kwargs: dict) -> None:
+    """The wrapped optimizer's step post-hooks, see Note [Step hooks]."""
+    original = wrapper._wrapped
+    for hook in _user_hooks(original._optimizer_step_post_hooks):
+        hook(original, (original, *args[1:]), kwargs)
+
+
+def _step_without_hooks(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
+    """``optimizer.step(**kwargs)`` without the pre/post-hook wrapper torch puts around every
+    optimizer class's ``step`` (Note [Step hooks]); the profiler range stays."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    with torch.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
+        step(optimizer, **kwargs)
 
 
 _ADD_GROUPS_FIRST = (

@@ -115,13 +115,17 @@ class ParamReadyWaiter:
     """Hooks on ``model``'s modules that wait for their params' buckets (forward, state_dict,
     load_state_dict), and the check for writes during the all-gather.
 
+    Params the optimizer trains that ``model`` does not hold (a loss module's learnable
+    temperature, multi-task loss weights) are waited for like any read right after ``step()``
+    (Note [Reads right after step]) and at the end of the model's forward at the latest.
+
     Args:
-        model: the module that owns the optimizer's trainable params.
+        model: the module that holds the optimizer's trainable params (some may live elsewhere).
         buffers: the flat buffers holding the params.
         finish_param_sync: waits for the pending all-gathers of the given buckets (all if None).
 
     Raises:
-        ValueError: ``model`` does not own every param the optimizer trains.
+        ValueError: ``model`` holds none of the params the optimizer trains.
     """
 
     def __init__(
@@ -136,12 +140,11 @@ class ParamReadyWaiter:
             for slot in bucket.slots
         }
         owned = {id(param) for param in model.parameters()}
-        missing = [index for index in buffers.laid_out_indices if id(buffers.params[index]) not in owned]
-        if missing:
+        if not any(id(buffers.params[index]) in owned for index in buffers.laid_out_indices):
             raise ValueError(
-                f"ShardingStage1.attach expects the model that owns the optimizer's params but "
-                f"{len(missing)} param(s) (optimizer indices {missing[:8]}) are not in "
-                f"{type(model).__name__}.parameters(); attach the model the optimizer was built from"
+                "ShardingStage1.attach expects the model whose params the optimizer trains but "
+                f"{type(model).__name__}.parameters() holds none of them; attach the model the "
+                "optimizer was built from (each wrapper of a GAN takes its own network)"
             )
         self._buffers = buffers
         self._finish_param_sync = finish_param_sync

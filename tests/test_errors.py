@@ -193,7 +193,7 @@ CASES = [
     BadInput("add_param_group_after_wrapping", _add_param_group_after_wrapping, RuntimeError,
              "add every param group to the torch optimizer first"),
     BadInput("attach_model_not_owning_params", _attach_foreign_model, ValueError,
-             "model that owns the optimizer's params but 8 param"),
+             r"the model whose params the optimizer trains but Linear.parameters\(\) holds none"),
     BadInput("param_data_resized", _param_data_resized, RuntimeError,
              r"`param.data = ...` gave param \d+ \(optimizer order\) the shape \(3, 3\) but it was laid "
              r"out as \(24, \d+\).*build a new optimizer and ShardingStage1 after resizing"),

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, load_checkpoint, save_checkpoint
 from tests.dist_helper import run_ranks
@@ -99,6 +100,9 @@ def on_two_ranks(tmp_path_factory) -> dict[str, list]:
     for lr_kind in ("int", "tensor"):
         jobs.append((f"lr-{lr_kind}", _checkpoint_lr_types, (str(folder / f"lr-{lr_kind}"), lr_kind)))
     jobs.append(("int_lr", _int_lr_survives, (str(folder / "int_lr"),)))
+    for overlap in (False, True):
+        jobs.append((f"step_hooks-{overlap}", _ema_by_step_hooks, (overlap,)))
+        jobs.append((f"params_outside_model-{overlap}", _multitask_with_loss_weights, (overlap,)))
     per_rank = run_ranks(_run_jobs, 2, jobs)
     return {name: [results[name] for results in per_rank] for name, _, _ in jobs}
 
@@ -405,3 +409,94 @@ def test_per_param_state_lookups_and_writes_raise_naming_state_dict(single_rank_
     with pytest.raises(TypeError, match=r"opt\.load_state_dict\(\)"):
         opt.state[model.weight] = {}
     assert opt.state.get(model.weight) is None
+
+
+class _EmaByHooks:
+    """An EMA of the params kept by a step post-hook on the torch optimizer, a common way to keep
+    one without touching the training loop; it also counts pre-hook and global-hook calls."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.average = [p.detach().clone() for p in model.parameters()]
+        self.params = list(model.parameters())
+        self.calls = {"pre": 0, "post": 0, "global": 0}
+
+    @torch.no_grad()
+    def post(self, optimizer, args, kwargs) -> None:
+        self.calls["post"] += 1
+        torch._foreach_lerp_(self.average, self.params, 0.25)
+
+    def pre(self, optimizer, args, kwargs) -> None:
+        assert isinstance(optimizer, torch.optim.AdamW) and args[0] is optimizer
+        self.calls["pre"] += 1
+
+    def global_post(self, optimizer, args, kwargs) -> None:
+        self.calls["global"] += 1
+
+
+def _ema_by_step_hooks(overlap: bool | None) -> tuple[list[torch.Tensor], dict[str, int]]:
+    """Plain torch when ``overlap`` is None, else the wrapper on this rank's slice."""
+    model = TwoLayers()
+    optimizer = _adamw(model)
+    ema = _EmaByHooks(model)
+    optimizer.register_step_post_hook(ema.post)
+    global_hook = register_optimizer_step_post_hook(ema.global_post)
+    try:
+        if overlap is None:
+            opt, rank, world_size = optimizer, None, 1
+        else:
+            opt = ShardingStage1(optimizer, overlap=overlap, strategy=SMALL_BUCKETS, model=model)
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        optimizer.register_step_pre_hook(ema.pre)  # after wrapping: it fires too
+        for step in range(4):
+            opt.zero_grad()
+            model(_inputs(step, rank, world_size)).square().mean().backward()
+            opt.step()
+    finally:
+        global_hook.remove()
+    return ema.average, ema.calls
+
+
+def test_step_hooks_of_the_wrapped_optimizer_fire_around_the_wrappers_step(on_two_ranks) -> None:
+    """Hooks registered on the torch optimizer, before or after wrapping, fire once per
+    ``step()`` with that optimizer, and a global hook once per step, not once per bucket; an
+    EMA kept by a post-hook equals plain torch's."""
+    expected_average, expected_calls = _ema_by_step_hooks(None)
+    assert expected_calls == {"pre": 4, "post": 4, "global": 4}
+    for overlap in (False, True):
+        for average, calls in on_two_ranks[f"step_hooks-{overlap}"]:
+            assert calls == expected_calls
+            _assert_all_close(average, expected_average)
+
+
+def _multitask_with_loss_weights(overlap: bool | None) -> list[torch.Tensor]:
+    """Multi-task training whose optimizer also holds params the model does not: learnable
+    input scales read before the model's forward and uncertainty weights of the two losses
+    read after it (Kendall et al.'s weighting). Plain torch when ``overlap`` is None."""
+    model = TwoLayers()
+    input_scale = nn.Parameter(torch.ones(6))
+    log_vars = nn.Parameter(torch.zeros(2))
+    params = [*model.parameters(), input_scale, log_vars]
+    optimizer = torch.optim.AdamW(params, lr=5e-2, weight_decay=0.1)
+    if overlap is None:
+        opt, rank, world_size = optimizer, None, 1
+    else:
+        opt = ShardingStage1(optimizer, overlap=overlap, strategy=SMALL_BUCKETS, model=model)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    for step in range(5):
+        opt.zero_grad()
+        out = model(_inputs(step, rank, world_size) * input_scale)
+        losses = torch.stack([out[:, 0].square().mean(), (out[:, 1] - 1).abs().mean()])
+        (torch.exp(-log_vars) * losses + log_vars).sum().backward()
+        opt.step()
+    if overlap is not None:
+        opt.sync_params()
+    return [p.detach().clone() for p in params]
+
+
+def test_params_outside_the_attached_model_train_as_in_torch(on_two_ranks) -> None:
+    """``model=`` may hold only some of the optimizer's params; the others (a loss module's,
+    multi-task loss weights) are waited for like any read right after ``step()``."""
+    expected = _multitask_with_loss_weights(None)
+    for overlap in (False, True):
+        for params in on_two_ranks[f"params_outside_model-{overlap}"]:
+            _assert_all_close(params, expected)
