@@ -103,6 +103,7 @@ from sharded_opt.state_view import ShardedStateView
 from sharded_opt.strategy import Strategy
 from sharded_opt.streams import on_stream
 from sharded_opt.validation import (
+    DROP_DDP,
     ELEMENTWISE_OPTIMIZERS,
     check_optimizer,
     check_same_layout,
@@ -777,7 +778,8 @@ class ShardingStage1(torch.optim.Optimizer):
                 "reduced while you write it), so the edit would be lost or differ per rank. Clip with "
                 "opt.clip_grad_norm_(max_norm) or opt.clip_grad_value_(clip_value), scale losses with "
                 "sharded_opt.ShardedGradScaler, "
-                "and scale the loss instead of the grads. Call opt.zero_grad() to discard these grads"
+                "and scale the loss instead of the grads. Call opt.zero_grad() to discard these grads. "
+                f"A DistributedDataParallel around the model writes grads this way too: {DROP_DDP}"
             )
 
     def _launch_grad_sync(self) -> None:
@@ -857,7 +859,9 @@ class ShardingStage1(torch.optim.Optimizer):
                 "already being reduced, so the new ones would be ignored. To clip, call "
                 "opt.clip_grad_norm_(max_norm) or opt.clip_grad_value_(clip_value) instead; grads "
                 "computed without a backward (assigned after opt.zero_grad()) are taken as they are; "
-                "with overlap=False an assigned grad is averaged over the ranks like any other"
+                "with overlap=False an assigned grad is averaged over the ranks like any other. A "
+                "DistributedDataParallel(gradient_as_bucket_view=True) around the model replaces "
+                f"grads this way: {DROP_DDP}"
             )
 
     def _restart_grad_sync(self) -> None:

@@ -4,6 +4,7 @@ changed, with a message that names the problem and the fix."""
 from __future__ import annotations
 
 import datetime
+import sys
 
 import torch
 import torch.distributed as dist
@@ -97,8 +98,18 @@ def check_trained_modules(model: nn.Module, params: list[Tensor]) -> None:
     - ``max_norm`` on an embedding: every forward renormalizes, in place, the rows its own
       batch looks up, so each rank renormalizes other rows; the owner of a shard steps its copy
       and the all-gather overwrites the renormalized rows of every other rank (on 2 ranks a
-      row ended 2.97 off plain torch, which renormalizes every row looked up by any sample).
+      row ended 2.97 off plain torch, which renormalizes every row looked up by any sample);
+    - a ``DistributedDataParallel`` (or FSDP) wrapper: it averages the grads itself and writes
+      them after backward, which the wrapper's own reduction already covers (torch's
+      ``ZeroRedundancyOptimizer`` is used beside DDP; this one replaces it).
     """
+    for name, module in model.named_modules():
+        if isinstance(module, _data_parallel_wrappers()):
+            where = f"{name or 'the model'} ({type(module).__name__})"
+            raise ValueError(
+                f"ShardingStage1 averages the grads over the ranks itself, but {where} is a data "
+                f"parallel wrapper that all-reduces them again and writes them after backward. {DROP_DDP}"
+            )
     trained = {id(param) for param in params}
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or id(module.weight) not in trained:
@@ -120,6 +131,22 @@ def check_trained_modules(model: nn.Module, params: list[Tensor]) -> None:
                 f"`with torch.no_grad(): {name or 'embedding'}.weight.renorm_(2, 0, max_norm)` "
                 "(every row, not only the ones looked up), or keep it out of the wrapped optimizer"
             )
+
+
+DROP_DDP = (
+    "Drop the DistributedDataParallel wrapper: build the optimizer over the plain module, pass "
+    "that module as model= and call it in the training loop (README, Coming from DDP)"
+)
+"""The fix for a model wrapped in DDP, also named by the errors a DDP-written grad causes."""
+
+
+def _data_parallel_wrappers() -> tuple[type, ...]:
+    """DDP, and FSDP where it was imported (no FSDP module can exist otherwise)."""
+    wrappers: list[type] = [nn.parallel.DistributedDataParallel]
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and hasattr(fsdp, "FullyShardedDataParallel"):
+        wrappers.append(fsdp.FullyShardedDataParallel)
+    return tuple(wrappers)
 
 
 def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGroup, int, int]:

@@ -316,8 +316,31 @@ def _compiled(compile_model: bool, overlap: bool) -> list[torch.Tensor]:
     return _params(model)
 
 
+# -- 8. a DDP wrapper kept around the model ----------------------------------------------------
+
+
+def _errors_with_ddp_kept() -> dict[str, str]:
+    """What a user who keeps ``DistributedDataParallel`` (as torch's ZeroRedundancyOptimizer is
+    used) gets: an error at once, never grads averaged twice while being reduced."""
+    errors = {}
+    for case in ("model", "sync", "overlap", "bucket_view_overlap"):
+        model = make_model()
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=case.startswith("bucket"))
+        try:
+            optimizer = ShardingStage1(
+                torch.optim.AdamW(ddp.parameters(), lr=1e-2),
+                strategy=_strategy(case != "sync"),
+                model=ddp if case == "model" else None,
+            )
+            _train(ddp, optimizer, 1)
+        except (ValueError, RuntimeError) as error:
+            errors[case] = f"{type(error).__name__}: {error}"
+    return errors
+
+
 def _all_scenarios() -> dict:
     return {
+        "ddp_kept": _errors_with_ddp_kept(),
         "reentrant": _reentrant_checkpointing(),
         "recreate": _recreate(),
         "nested_no_sync": (_accumulate(nested=True), _accumulate(nested=False)),
@@ -445,3 +468,12 @@ def _hook_counts(model: nn.Module) -> list[int]:
 def test_compiled_model_fullgraph_trains_like_eager_sync(two_ranks) -> None:
     for runs in two_ranks:
         _assert_equal(*runs["compiled"])
+
+
+def test_a_kept_ddp_wrapper_fails_at_once_naming_the_fix(two_ranks) -> None:
+    for errors in two_ranks:
+        assert set(errors["ddp_kept"]) == {"model", "sync", "overlap", "bucket_view_overlap"}
+        assert errors["ddp_kept"]["model"].startswith("ValueError: ShardingStage1 averages the grads")
+        for message in errors["ddp_kept"].values():
+            assert "Drop the DistributedDataParallel wrapper" in message
+            assert "pass that module as model=" in message
