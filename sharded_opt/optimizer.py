@@ -510,7 +510,7 @@ class ShardingStage1(torch.optim.Optimizer):
         """
         self._closed = True
         self._release()
-        self._step_refusal.remove()
+        remove_handles(self._refusals)
         original = self._wrapped_optimizer()
         if original is not None:
             original._sharded_opt_wrapper = None
@@ -637,11 +637,16 @@ class ShardingStage1(torch.optim.Optimizer):
         self._release.atexit = False
 
     def _mark_wrapped(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer`` refuse to be wrapped again while this wrapper lives, and to step
-        until ``close()`` (stepping it is a mistake even after the wrapper was dropped: ranks
-        would diverge)."""
+        """Make ``optimizer`` refuse to be wrapped again while this wrapper lives, and to step,
+        save or load its state until ``close()`` (stepping it is a mistake even after the
+        wrapper was dropped: ranks would diverge; its own state is empty, so a checkpoint of it
+        would silently hold no moments, and state loaded into it would never be used)."""
         optimizer._sharded_opt_wrapper = weakref.ref(self)
-        self._step_refusal = optimizer.register_step_pre_hook(_refuse_wrapped_step)
+        self._refusals = [
+            optimizer.register_step_pre_hook(_refuse_wrapped_step),
+            optimizer.register_state_dict_pre_hook(_refuse_wrapped_state_dict),
+            optimizer.register_load_state_dict_pre_hook(_refuse_wrapped_load_state_dict),
+        ]
         # Note [Step hooks]: first in the wrapper's lists, before any hook a user adds to it.
         self._hook_handles.append(self.register_step_pre_hook(_run_wrapped_pre_hooks))
         self._hook_handles.append(self.register_step_post_hook(_run_wrapped_post_hooks))
@@ -1085,6 +1090,21 @@ def _step_without_hooks(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]
         step = step.__wrapped__
     with torch.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
         step(optimizer, **kwargs)
+
+
+def _refuse_wrapped_state_dict(optimizer: torch.optim.Optimizer) -> None:
+    raise RuntimeError(
+        f"this {type(optimizer).__name__} is wrapped by ShardingStage1 and holds none of the "
+        "optimizer state (it lives in the wrapper's shards); call the wrapper's state_dict() on "
+        "every rank (state_dict(to_rank=0) to keep it on rank 0 only)"
+    )
+
+
+def _refuse_wrapped_load_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    raise RuntimeError(
+        f"this {type(optimizer).__name__} is wrapped by ShardingStage1, which would never use state "
+        "loaded into it; call the wrapper's load_state_dict(state_dict) on every rank"
+    )
 
 
 _ADD_GROUPS_FIRST = (

@@ -447,7 +447,8 @@ def test_close_and_context_manager_remove_every_hook(single_rank_group) -> None:
     rewrapped.close()
     rewrapped.close()  # idempotent
     assert _hook_counts(model) == hooks_before
-    original.step()  # an unwrapped torch optimizer steps again
+    original.step()  # an unwrapped torch optimizer steps again, and saves and loads its state
+    original.load_state_dict(original.state_dict())
 
 
 def test_wrapping_an_original_whose_wrapper_is_alive_names_close(single_rank_group) -> None:

@@ -69,6 +69,19 @@ def _original_stepped_after_wrapping() -> None:
     inner.step()
 
 
+def _original_state_dict_after_wrapping() -> None:
+    inner = torch.optim.AdamW([_param(3)])
+    ShardingStage1(inner)
+    inner.state_dict()
+
+
+def _original_load_state_dict_after_wrapping() -> None:
+    inner = torch.optim.AdamW([_param(3)])
+    state = inner.state_dict()
+    ShardingStage1(inner)
+    inner.load_state_dict(state)
+
+
 def _already_stepped() -> None:
     param = _param(3)
     inner = torch.optim.Adam([param])
@@ -188,6 +201,10 @@ CASES = [
     BadInput("wrapped_twice", _wrapped_twice, ValueError, "already wrapped"),
     BadInput("original_stepped_after_wrapping", _original_stepped_after_wrapping, RuntimeError,
              "wrapped by ShardingStage1; call the wrapper's step"),
+    BadInput("original_state_dict_after_wrapping", _original_state_dict_after_wrapping, RuntimeError,
+             r"holds none of the optimizer state .*call the wrapper's state_dict\(\) on every rank"),
+    BadInput("original_load_state_dict_after_wrapping", _original_load_state_dict_after_wrapping,
+             RuntimeError, r"would never use state loaded into it; call the wrapper's load_state_dict"),
     BadInput("optimizer_already_stepped", _already_stepped, ValueError,
              "has not stepped yet but it holds state for 1 params"),
     BadInput("add_param_group_after_wrapping", _add_param_group_after_wrapping, RuntimeError,
