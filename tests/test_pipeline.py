@@ -60,9 +60,9 @@ def _wrap(model: nn.Module, overlap: bool, bf16: bool) -> ShardingStage1:
 
 
 def _record_events(opt: ShardingStage1) -> list[tuple[str, tuple[int, ...]]]:
-    """Wrap the communicator's finish/start calls and the inner step to log them in order."""
+    """Wrap the communicator's finish/start calls and the inner steps to log them in order."""
     events: list[tuple[str, tuple[int, ...]]] = []
-    comm, inner = opt._comm, opt._inner
+    comm = opt._comm
     bucket_of = {id(p): s.bucket.index for s in comm.live_shards() for p in s.inner_params}
 
     def logged(name, method, buckets_of):
@@ -74,10 +74,10 @@ def _record_events(opt: ShardingStage1) -> list[tuple[str, tuple[int, ...]]]:
 
     comm.finish_grad_sync = logged("finish", comm.finish_grad_sync, lambda indices=None: tuple(indices or ()))
     comm.start_param_sync = logged("gather", comm.start_param_sync, lambda order: tuple(order))
-    stepped_buckets = lambda **_: tuple(  # noqa: E731
-        sorted({bucket_of[id(p)] for g in inner.param_groups for p in g["params"]})
+    stepped_buckets = lambda params_per_group, kwargs: tuple(  # noqa: E731
+        sorted({bucket_of[id(p)] for params in params_per_group for p in params})
     )
-    inner.step = logged("step", inner.step, stepped_buckets)
+    opt._inner_step = logged("step", opt._inner_step, stepped_buckets)
     return events
 
 
