@@ -103,18 +103,17 @@ def check_trained_modules(model: nn.Module, params: list[Tensor]) -> None:
       them after backward, which the wrapper's own reduction already covers (torch's
       ``ZeroRedundancyOptimizer`` is used beside DDP; this one replaces it).
     """
+    data_parallel = _data_parallel_wrappers()
+    trained = {id(param) for param in params}
     for name, module in model.named_modules():
-        if isinstance(module, _data_parallel_wrappers()):
-            where = f"{name or 'the model'} ({type(module).__name__})"
+        where = f"{name or 'the model'} ({type(module).__name__})"
+        if isinstance(module, data_parallel):
             raise ValueError(
                 f"ShardingStage1 averages the grads over the ranks itself, but {where} is a data "
                 f"parallel wrapper that all-reduces them again and writes them after backward. {DROP_DDP}"
             )
-    trained = {id(param) for param in params}
-    for name, module in model.named_modules():
         if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or id(module.weight) not in trained:
             continue
-        where = f"{name or 'the model'} ({type(module).__name__})"
         if module.sparse:
             raise ValueError(
                 f"ShardingStage1 expects dense grads but {where} has sparse=True; the wrapper "
