@@ -68,6 +68,14 @@ def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list
                     "duplicate from the optimizer's param groups"
                 )
             seen[id(param)] = len(params)
+            if nn.parameter.is_lazy(param):
+                raise ValueError(
+                    f"ShardingStage1 expects initialized params but param {len(params)} (group "
+                    f"{group_index}) is an uninitialized param of a lazy module (nn.LazyLinear, "
+                    "nn.LazyConv2d, ...), whose shape is only known after its first forward; run one "
+                    "forward with a sample batch before wrapping: `model(sample); opt = "
+                    "ShardingStage1(optimizer, ...)` (the torch optimizer may be built before it)"
+                )
             if param.is_sparse or param.layout != torch.strided:
                 raise ValueError(
                     f"ShardingStage1 expects dense params but param {len(params)} (group "
@@ -97,8 +105,18 @@ def check_trained_modules(model: nn.Module, params: list[Tensor]) -> None:
     - ``max_norm`` on an embedding: every forward renormalizes, in place, the rows its own
       batch looks up, so each rank renormalizes other rows; the owner of a shard steps its copy
       and the all-gather overwrites the renormalized rows of every other rank (on 2 ranks a
-      row ended 2.97 off plain torch, which renormalizes every row looked up by any sample).
+      row ended 2.97 off plain torch, which renormalizes every row looked up by any sample);
+    - a model that is itself a ``torch.jit.ScriptModule`` (scripted or traced): it takes no
+      Python hooks, so there is nowhere to wait for its params, broadcast its buffers or check
+      its params' shapes before a forward (Note [Scripted submodules] in ``param_hooks``).
     """
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(
+            f"ShardingStage1(model=...) expects an eager nn.Module but got a {type(model).__name__} "
+            "(torch.jit.script or torch.jit.trace), which runs no Python hooks. Leave model= out "
+            "(step() then waits for its all-gathers before it returns), or pass the eager model "
+            "and script only its submodules"
+        )
     trained = {id(param) for param in params}
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or id(module.weight) not in trained:
