@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.utils import parametrizations
 from torch.utils.checkpoint import checkpoint_sequential
 
-from sharded_opt import ShardingStage1, collectives
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
 from tests.test_ddp_habits import _late_all_gather
 from tests.test_user_loops import (
     SLICE,
@@ -39,7 +39,6 @@ from tests.test_user_loops import (
     run_loop_jobs,
 )
 from tests.test_user_loops_2 import BufferLoop
-from tests.test_user_loops_3 import ModelFreeLoop
 
 
 class CastLoop(BufferLoop):
@@ -68,22 +67,40 @@ class CastLoop(BufferLoop):
             p.grad = None if grad is None else grad.to(p.dtype)
 
 
+class ConfiguredLoop(BufferLoop):
+    """A :class:`BufferLoop` whose wrapper gets more ``ShardingConfig`` settings and, unless
+    ``attach``, no model."""
+
+    def __init__(self, sharded: bool, overlap: bool, attach: bool = True, **config) -> None:
+        super().__init__(sharded, overlap, config.pop("bucket_size_mb", 0.002))
+        self.attach = attach
+        self.config = config
+
+    def wrap(self, optimizer: torch.optim.Optimizer, model: nn.Module | None) -> torch.optim.Optimizer:
+        if not self.sharded:
+            return optimizer
+        config = ShardingConfig(bucket_size_mb=self.bucket_size_mb, **self.config)
+        model = model if self.attach else None
+        return ShardingStage1(optimizer, overlap=self.overlap, strategy=Strategy(sharding=config), model=model)
+
+
 def _modes(
     loop_fn: Callable[[Loop], object],
     model_free: bool = True,
     plain: type[Loop] = BufferLoop,
-    bucket_size_mb: float | None = 0.002,
+    **config,
 ) -> dict[str, object]:
     """``loop_fn`` plain, sharded sync, overlap with the model attached and (``model_free``)
-    overlap without, with all-gathers that land only when waited for."""
+    overlap without, with all-gathers that land only when waited for; ``config``: settings of
+    ``ShardingConfig`` (buckets of 2 KB unless ``bucket_size_mb`` is given)."""
     with mock.patch.object(collectives, "all_gather", _late_all_gather):
         results = {
             "plain": loop_fn(plain(False, False)),
-            "sync": loop_fn(BufferLoop(True, False, bucket_size_mb)),
-            "overlap": loop_fn(BufferLoop(True, True, bucket_size_mb)),
+            "sync": loop_fn(ConfiguredLoop(True, False, **config)),
+            "overlap": loop_fn(ConfiguredLoop(True, True, **config)),
         }
         if model_free:
-            results["overlap_no_model"] = loop_fn(ModelFreeLoop(True, True, bucket_size_mb))
+            results["overlap_no_model"] = loop_fn(ConfiguredLoop(True, True, attach=False, **config))
         return results
 
 
@@ -561,6 +578,7 @@ def init_after_step_loop(loop: Loop) -> dict:
 def _jobs() -> dict[str, Callable[[], object]]:
     return {
         "complex": lambda: _modes(complex_loop),
+        "complex_reduce_dtype": lambda: _modes(complex_loop, reduce_dtype=torch.float32),
         "fp64": lambda: _modes(fp64_loop),
         "mixed_fp32_bf16": lambda: _modes(mixed_dtype_loop, plain=CastLoop),
         "shapes": lambda: _modes(shapes_loop),
