@@ -79,9 +79,9 @@ class ConfiguredLoop(BufferLoop):
     def wrap(self, optimizer: torch.optim.Optimizer, model: nn.Module | None) -> torch.optim.Optimizer:
         if not self.sharded:
             return optimizer
-        config = ShardingConfig(bucket_size_mb=self.bucket_size_mb, **self.config)
+        strategy = Strategy(sharding=ShardingConfig(bucket_size_mb=self.bucket_size_mb, **self.config))
         model = model if self.attach else None
-        return ShardingStage1(optimizer, overlap=self.overlap, strategy=Strategy(sharding=config), model=model)
+        return ShardingStage1(optimizer, overlap=self.overlap, strategy=strategy, model=model)
 
 
 def _modes(
