@@ -12,6 +12,10 @@ from torch.distributed import ProcessGroup
 
 from fusion.layout import ParamSpec
 
+_MEMORY_OVERLAPS = 1
+"""``torch._debug_has_internal_overlap``'s answer for a tensor some of whose elements share
+memory; torch's in-place ops (every optimizer update) refuse exactly those."""
+
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
@@ -75,6 +79,14 @@ def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list
                     "nn.LazyConv2d, ...), whose shape is only known after its first forward; run one "
                     "forward with a sample batch before wrapping: `model(sample); opt = "
                     "ShardingStage1(optimizer, ...)` (the torch optimizer may be built before it)"
+                )
+            if torch._debug_has_internal_overlap(param) == _MEMORY_OVERLAPS:
+                raise ValueError(
+                    f"ShardingStage1 expects params whose elements have memory of their own but param "
+                    f"{len(params)} (group {group_index}) of shape {list(param.shape)} has strides "
+                    f"{list(param.stride())}, so several elements share memory (made by expand() or "
+                    "as_strided); torch.optim cannot update it in place either. Make it with .clone(): "
+                    "nn.Parameter(t.expand(...).clone())"
                 )
             if param.is_sparse or param.layout != torch.strided:
                 raise ValueError(

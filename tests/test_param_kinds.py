@@ -671,3 +671,11 @@ def test_model_cast_to_float64_after_wrapping_fails_at_the_next_step(single_rank
         RuntimeError, match=r"is now torch.float64 but was laid out as torch.float32.*before building"
     ):
         opt.step()
+
+
+def test_param_whose_elements_share_memory_is_refused_naming_clone(single_rank_group) -> None:
+    """torch.optim refuses to update it in place at its first step; laid out, each element
+    would have got memory of its own and trained apart, silently."""
+    shared = nn.Parameter(torch.randn(1, 4).expand(3, 4))
+    with pytest.raises(ValueError, match=r"param 1 .* strides \[0, 1\].*share memory.*\.clone\(\)"):
+        ShardingStage1(torch.optim.Adam([nn.Parameter(torch.ones(2)), shared]))
