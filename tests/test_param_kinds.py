@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrizations
+from torch.nn.utils import parametrizations, parametrize
 from torch.utils.checkpoint import checkpoint_sequential
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
@@ -313,32 +313,58 @@ def scripted_submodule_loop(loop: Loop) -> dict:
     return _train(loop, model, _regression(model), steps=4)
 
 
+class LowRank(nn.Module):
+    """A parametrization with params of its own: LoRA as ``register_parametrization`` (minLoRA)."""
+
+    def __init__(self, width: int, rank: int = 2) -> None:
+        super().__init__()
+        self.down = nn.Parameter(torch.randn(width, rank) / 4)
+        self.up = nn.Parameter(torch.randn(rank, width) / 4)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + self.down @ self.up
+
+
 class Parametrized(nn.Module):
+    """Layers for parametrizations; ``low_rank`` gets a frozen weight and a LoRA
+    parametrization before wrapping, always."""
+
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.first = nn.Linear(6, 8)
         self.middle = nn.Linear(8, 8)
         self.square = nn.Linear(8, 8)
+        self.low_rank = nn.Linear(8, 8)
+        parametrize.register_parametrization(self.low_rank, "weight", LowRank(8))
+        self.low_rank.parametrizations.weight.original.requires_grad_(False)
+        self.legacy = nn.Linear(8, 8)
+        self.legacy_spectral = nn.Linear(8, 8)
         self.last = nn.Linear(8, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.tanh(self.first(x))
-        x = torch.tanh(self.middle(x))
-        return self.last(torch.tanh(self.square(x)))
+        for layer in (self.first, self.middle, self.square, self.low_rank, self.legacy, self.legacy_spectral):
+            x = torch.tanh(layer(x))
+        return self.last(x)
 
 
 def _parametrize(model: Parametrized) -> None:
     parametrizations.weight_norm(model.first)
     parametrizations.spectral_norm(model.middle)
     parametrizations.orthogonal(model.square)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated, still in older models
+        torch.nn.utils.weight_norm(model.legacy)
+        torch.nn.utils.spectral_norm(model.legacy_spectral)
 
 
 def parametrized_loop(loop: Loop, after_wrapping: bool) -> dict:
-    """weight_norm, spectral_norm and orthogonal registered before wrapping, or after wrapping
-    and one step: then torch's optimizer keeps the replaced weight_norm weight (no longer used,
-    never stepped) and not its new ``original0``/``original1``, and spectral_norm and
-    orthogonal rewrite their original in place."""
+    """weight_norm, spectral_norm and orthogonal (and the old hook-based weight_norm and
+    spectral_norm) registered before wrapping, or after wrapping and one step: then torch's
+    optimizer keeps the replaced weight_norm weights (no longer used, never stepped) and not
+    their new ``original0``/``original1`` or ``weight_g``/``weight_v``, spectral_norm and
+    orthogonal rewrite their original in place, and the old spectral_norm renames its weight
+    ``weight_orig``."""
     model = Parametrized()
     if not after_wrapping:
         _parametrize(model)
@@ -356,13 +382,15 @@ def parametrized_loop(loop: Loop, after_wrapping: bool) -> dict:
 
 
 class Attention(nn.Module):
-    """``nn.MultiheadAttention`` with kdim/vdim (separate q, k, v weights) and batch_first,
-    and an encoder-decoder ``nn.Transformer`` with causal and padding masks."""
+    """``nn.MultiheadAttention`` with kdim/vdim (separate q, k, v weights) and batch_first, one
+    with learned key and value biases (``add_bias_kv``) and sequence first, and an
+    encoder-decoder ``nn.Transformer`` with causal and padding masks."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.attention = nn.MultiheadAttention(8, 2, kdim=6, vdim=5, batch_first=True)
+        self.biased = nn.MultiheadAttention(8, 2, add_bias_kv=True, add_zero_attn=True)
         self.embed = nn.Linear(6, 8)
         self.transformer = nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=True)
         self.head = nn.Linear(8, 2)
@@ -370,6 +398,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         query = self.embed(x)
         attended, _ = self.attention(query, x, x[..., :5], need_weights=False)
+        sequence_first = attended.transpose(0, 1)
+        attended = attended + self.biased(sequence_first, sequence_first, sequence_first)[0].transpose(0, 1)
         padding = torch.zeros(x.shape[:2], dtype=torch.bool)
         padding[:, -1] = True
         causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
@@ -505,14 +535,19 @@ def checkpoint_sequential_loop(loop: Loop, reentrant: bool) -> dict:
 
 
 class Containers(nn.Module):
-    """``nn.ModuleDict`` and ``nn.ParameterDict``; a block called twice per forward, and a
-    branch only even steps call."""
+    """``nn.ModuleDict`` and ``nn.ParameterDict``; a block called twice per forward, a branch
+    only even steps call, and a layer called through ``.forward`` (no hooks run)."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.ModuleDict(
-            {"embed": nn.Linear(6, 8), "shared": nn.Linear(8, 8), "rare": nn.Linear(8, 8)}
+            {
+                "embed": nn.Linear(6, 8),
+                "shared": nn.Linear(8, 8),
+                "rare": nn.Linear(8, 8),
+                "direct": nn.Linear(8, 8),
+            }
         )
         self.scales = nn.ParameterDict({"a": nn.Parameter(torch.ones(8)), "b": nn.Parameter(torch.zeros(2))})
         self.head = nn.Linear(8, 2)
@@ -522,7 +557,40 @@ class Containers(nn.Module):
         h = torch.tanh(self.layers["shared"](torch.tanh(self.layers["shared"](h))))
         if use_rare:
             h = self.layers["rare"](h)
+        h = self.layers["direct"].forward(h)
         return self.head(h * self.scales["a"]) + self.scales["b"]
+
+
+class TwoTowers(nn.Module):
+    """CLIP-shaped: trained through ``encode_*`` methods, never through ``forward``, with a
+    learned temperature owned by the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.image = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.text = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.logit_scale = nn.Parameter(torch.tensor(1.0))
+
+    def encode_image(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.image(x), dim=-1)
+
+    def encode_text(self, y: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.text(y), dim=-1)
+
+
+def two_towers_loop(loop: Loop) -> dict:
+    model = TwoTowers()
+
+    def loss_of(step: int) -> Callable[[int], torch.Tensor]:
+        def loss(index: int) -> torch.Tensor:
+            x, y = _xy(step, index)
+            logits = model.encode_image(x) @ model.encode_text(y).t() * model.logit_scale.exp()
+            return F.cross_entropy(logits, torch.arange(len(x)))
+
+        return loss
+
+    return _train(loop, model, loss_of)
 
 
 def containers_loop(loop: Loop) -> dict:
@@ -601,6 +669,7 @@ def _jobs() -> dict[str, Callable[[], object]]:
             lambda loop: checkpoint_sequential_loop(loop, True)
         ),
         "containers": lambda: _modes(containers_loop),
+        "two_towers": lambda: _modes(two_towers_loop),
         "replaced_module": lambda: _modes(replaced_module_loop, model_free=False),
         "init_after_step": lambda: _modes(init_after_step_loop),
     }
