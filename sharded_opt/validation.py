@@ -80,6 +80,11 @@ def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list
                     "forward with a sample batch before wrapping: `model(sample); opt = "
                     "ShardingStage1(optimizer, ...)` (the torch optimizer may be built before it)"
                 )
+            if param.is_sparse or param.layout != torch.strided:
+                raise ValueError(
+                    f"ShardingStage1 expects dense params but param {len(params)} (group "
+                    f"{group_index}) has layout {param.layout}; sparse params cannot live in flat buffers"
+                )
             if torch._debug_has_internal_overlap(param) == _MEMORY_OVERLAPS:
                 raise ValueError(
                     f"ShardingStage1 expects params whose elements have memory of their own but param "
@@ -88,15 +93,11 @@ def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list
                     "as_strided); torch.optim cannot update it in place either. Make it with .clone(): "
                     "nn.Parameter(t.expand(...).clone())"
                 )
-            if param.is_sparse or param.layout != torch.strided:
-                raise ValueError(
-                    f"ShardingStage1 expects dense params but param {len(params)} (group "
-                    f"{group_index}) has layout {param.layout}; sparse params cannot live in flat buffers"
-                )
             params.append(param)
             specs.append(ParamSpec.of(param, group_index))
     if not params:
         raise ValueError("ShardingStage1 expects an optimizer with params but its param groups are empty")
+    _refuse_shared_memory(params)
     devices = sorted({str(spec.device) for spec in specs})
     if len(devices) > 1:
         raise ValueError(
@@ -104,6 +105,52 @@ def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list
             "the model to one device (the rank's own) before building the optimizer"
         )
     return params, specs
+
+
+def _refuse_shared_memory(params: list[Tensor]) -> None:
+    """Refuse two params with elements in common (``dec.weight = nn.Parameter(enc.weight.t())``):
+    torch.optim updates the shared memory once per param, and they stay tied; laid out, each
+    gets memory of its own and they silently drift apart (3.3e-2 after three SGD steps)."""
+    spans: dict[int, list[tuple[int, int, int]]] = {}
+    for index, param in enumerate(params):
+        if param.numel() > 0 and param.device.type != "meta":  # meta tensors have no memory
+            start, end = _byte_span(param)
+            spans.setdefault(param.untyped_storage().data_ptr(), []).append((start, end, index))
+    for ranges in spans.values():
+        ranges.sort()
+        widest = ranges[0]
+        for span in ranges[1:]:
+            if span[0] < widest[1] and _share_elements(params[widest[2]], params[span[2]]):
+                first, second = sorted((widest[2], span[2]))
+                raise ValueError(
+                    f"ShardingStage1 expects params with memory of their own but params {first} and "
+                    f"{second} share memory (one was made from the other, e.g. nn.Parameter(w.t())); "
+                    "torch.optim would update that memory once for each, the flat buffers would give "
+                    "each a copy of its own. To tie weights, use one Parameter in both places "
+                    "(decoder.weight = encoder.weight, or F.linear(x, encoder.weight.t())); for "
+                    "independent params, .clone() one of them"
+                )
+            widest = max(widest, span, key=lambda r: r[1])
+
+
+def _byte_span(tensor: Tensor) -> tuple[int, int]:
+    """First and one-past-last byte of ``tensor``'s elements in its storage."""
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    start = tensor.storage_offset() * tensor.element_size()
+    return start, start + (last + 1) * tensor.element_size()
+
+
+def _share_elements(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` (spans overlapping in one storage) have an element in common;
+    interleaved views (``w[:, ::2]``, ``w[:, 1::2]``) do not. Views of other dtypes count as
+    sharing."""
+    if a.element_size() != b.element_size():
+        return True
+    extent = max(_byte_span(a)[1], _byte_span(b)[1]) // a.element_size()
+    offsets = torch.arange(extent)
+    mine = offsets.as_strided(a.shape, a.stride(), a.storage_offset())
+    theirs = offsets.as_strided(b.shape, b.stride(), b.storage_offset())
+    return bool(torch.isin(mine, theirs).any())
 
 
 def check_trained_modules(model: nn.Module, params: list[Tensor]) -> None:

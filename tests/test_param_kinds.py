@@ -748,3 +748,27 @@ def test_param_whose_elements_share_memory_is_refused_naming_clone(single_rank_g
     shared = nn.Parameter(torch.randn(1, 4).expand(3, 4))
     with pytest.raises(ValueError, match=r"param 1 .* strides \[0, 1\].*share memory.*\.clone\(\)"):
         ShardingStage1(torch.optim.Adam([nn.Parameter(torch.ones(2)), shared]))
+
+
+def test_params_sharing_memory_are_refused_naming_one_parameter(single_rank_group) -> None:
+    """A decoder "tied" to its encoder as ``nn.Parameter(enc.weight.t())``: torch updates the
+    shared memory once per param and they stay tied; laid out, they drifted apart (3.3e-2 off
+    after three SGD steps)."""
+    encoder, decoder = nn.Linear(6, 3), nn.Linear(3, 6)
+    decoder.weight = nn.Parameter(encoder.weight.t())
+    params = [*encoder.parameters(), *decoder.parameters()]
+    with pytest.raises(ValueError, match=r"params 0 and 2 share memory.*decoder.weight = encoder.weight"):
+        ShardingStage1(torch.optim.SGD(params, lr=0.1))
+
+
+def test_params_that_are_disjoint_views_of_one_tensor_are_accepted(single_rank_group) -> None:
+    """Chunks and interleaved columns of one tensor share a storage but no element."""
+    base = torch.randn(4, 6)
+    params = [
+        nn.Parameter(base[:2]),
+        nn.Parameter(base[2:]),
+        nn.Parameter(base[:, ::2]),
+        nn.Parameter(base[:, 1::2]),
+    ]
+    ShardingStage1(torch.optim.SGD(params[:2], lr=0.1)).close()
+    ShardingStage1(torch.optim.SGD(params[2:], lr=0.1)).close()
