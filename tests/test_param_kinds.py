@@ -112,15 +112,18 @@ def _train(
     make_optimizer: Callable = lambda params: torch.optim.AdamW(params, lr=1e-2),
     after_step: Callable[[int], None] = lambda step: None,
     attach: bool = True,
+    max_norm: float | None = None,
 ) -> dict:
-    """The common loop: ``steps`` of zero_grad, backward of ``loss_of(step)``, step, then
-    ``after_step(step)`` right after ``step()`` (its all-gathers still pending); ``attach``:
-    the model is given to the wrapper."""
+    """The common loop: ``steps`` of zero_grad, backward of ``loss_of(step)``, clipping to
+    ``max_norm`` if given, step, then ``after_step(step)`` right after ``step()`` (its
+    all-gathers still pending); ``attach``: the model is given to the wrapper."""
     params = list(model.parameters())
     opt = loop.wrap(make_optimizer(params), model if attach else None)
     for step in range(steps):
         loop.zero_grad(opt)
         loop.backward(opt, params, loss_of(step))
+        if max_norm is not None:
+            loop.clip(opt, params, max_norm)
         opt.step()
         after_step(step)
     loop.sync(opt)
@@ -157,9 +160,9 @@ class ComplexNet(nn.Module):
         return self.head(torch.cat([z.real, z.imag], dim=-1))
 
 
-def complex_loop(loop: Loop) -> dict:
+def complex_loop(loop: Loop, max_norm: float | None = None) -> dict:
     model = ComplexNet()
-    return _train(loop, model, _regression(model))
+    return _train(loop, model, _regression(model), max_norm=max_norm)
 
 
 def fp64_loop(loop: Loop) -> dict:
@@ -262,16 +265,18 @@ def lazy_loop(loop: Loop, optimizer_before_dry_run: bool) -> dict:
 
 
 class Plain(nn.Module):
-    """SmallNet without BatchNorm (scripting and tracing keep it as it is)."""
+    """SmallNet without BatchNorm (scripting and tracing keep it as it is), with a param of the
+    root read directly (a ``get_attr`` node once traced by ``torch.fx``)."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.first = nn.Linear(6, 12)
         self.last = nn.Linear(12, 2)
+        self.scale = nn.Parameter(torch.tensor([1.0, 2.0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.last(torch.relu(self.first(x)))
+        return self.last(torch.relu(self.first(x))) * self.scale
 
 
 def scripted_loop(loop: Loop, kind: str) -> dict:
@@ -647,6 +652,7 @@ def _jobs() -> dict[str, Callable[[], object]]:
     return {
         "complex": lambda: _modes(complex_loop),
         "complex_reduce_dtype": lambda: _modes(complex_loop, reduce_dtype=torch.float32),
+        "complex_clipped": lambda: _modes(lambda loop: complex_loop(loop, max_norm=0.05)),
         "fp64": lambda: _modes(fp64_loop),
         "mixed_fp32_bf16": lambda: _modes(mixed_dtype_loop, plain=CastLoop),
         "shapes": lambda: _modes(shapes_loop),
