@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 from torch.utils.checkpoint import checkpoint_sequential
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
+from sharded_opt import ShardedGradScaler, ShardingConfig, ShardingStage1, Strategy, collectives
 from tests.test_ddp_habits import _late_all_gather
 from tests.test_user_loops import (
     SLICE,
@@ -188,6 +188,65 @@ class MixedNet(nn.Module):
 def mixed_dtype_loop(loop: Loop) -> dict:
     model = MixedNet()
     return _train(loop, model, _regression(model))
+
+
+def fp16_scaler_loop(loop: Loop) -> dict:
+    """fp16 params with fp32 masters and loss scaling (apex O2 style): the wrapper with
+    ``master_dtype=torch.float32`` and ``ShardedGradScaler``; plain torch with fp32 master
+    copies, their grads the averaged fp16 grads, and ``torch.amp.GradScaler``. The first two
+    scales overflow fp16 (skipped steps on every rank), as scales do at the start of training;
+    the scale grows again after two good steps."""
+    model = Plain().half()
+    params = list(model.parameters())
+    masters = [p.detach().float().requires_grad_(True) for p in params]
+    if loop.sharded:
+        opt = loop.wrap(torch.optim.Adam(params, lr=1e-2), model)
+        scaler = ShardedGradScaler("cpu", init_scale=2.0**17, growth_interval=2)
+    else:
+        opt = torch.optim.Adam(masters, lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**17, growth_interval=2)
+        loop.masters = masters
+    loss_of = _regression(model, torch.float16)
+    scales = []
+    for step in range(4):
+        loop.zero_grad(opt)
+        loop.backward(opt, params, lambda index, step=step: scaler.scale(loss_of(step)(index)))
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        if not loop.sharded:
+            with torch.no_grad():
+                for p, master in zip(params, masters, strict=True):
+                    p.copy_(master)
+    loop.sync(opt)
+    return {"params": _snapshot(model), "scales": scales}
+
+
+class MasterGradLoop(BufferLoop):
+    """A :class:`BufferLoop` whose plain run gives each averaged grad, in the reduction dtype
+    (fp32 for 16-bit params), to the param's fp32 master copy in ``masters``."""
+
+    masters: list[torch.Tensor] = []
+
+    def backward(  # type: ignore[override]
+        self,
+        opt: torch.optim.Optimizer,
+        params: list[nn.Parameter],
+        loss_of: Callable[[int], torch.Tensor],
+        **kwargs,
+    ) -> None:
+        if self.sharded:
+            super().backward(opt, params, loss_of, **kwargs)
+            return
+        per_slice = []
+        for index in range(self.world_size):
+            for p in params:
+                p.grad = None
+            loss_of(index).backward()
+            per_slice.append([p.grad.clone() for p in params])
+        for i, (p, master) in enumerate(zip(params, self.masters, strict=True)):
+            p.grad = None
+            master.grad = _average([grads[i] for grads in per_slice], p.dtype, self.world_size)
 
 
 # -- shapes ----------------------------------------------------------------------------------------
@@ -655,6 +714,9 @@ def _jobs() -> dict[str, Callable[[], object]]:
         "complex_clipped": lambda: _modes(lambda loop: complex_loop(loop, max_norm=0.05)),
         "fp64": lambda: _modes(fp64_loop),
         "mixed_fp32_bf16": lambda: _modes(mixed_dtype_loop, plain=CastLoop),
+        "fp16_scaler_master": lambda: _modes(
+            fp16_scaler_loop, plain=MasterGradLoop, master_dtype=torch.float32
+        ),
         "shapes": lambda: _modes(shapes_loop),
         "shapes_auto_buckets": lambda: _modes(shapes_loop, bucket_size_mb=None),
         "tiny_params": lambda: _modes(tiny_params_loop, bucket_size_mb=None),
