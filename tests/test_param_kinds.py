@@ -840,3 +840,20 @@ def test_params_that_are_disjoint_views_of_one_tensor_are_accepted(single_rank_g
     ]
     ShardingStage1(torch.optim.SGD(params[:2], lr=0.1)).close()
     ShardingStage1(torch.optim.SGD(params[2:], lr=0.1)).close()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp16_params_without_master_are_scaled_as_torch_does(single_rank_group, fused) -> None:
+    """torch.amp.GradScaler refuses fp16 grads unless the optimizer is fused (its kernels
+    unscale in fp32); the wrapper follows, naming an fp32 master copy."""
+    model = Plain().half()
+    opt = ShardingStage1(torch.optim.Adam(model.parameters(), fused=fused))
+    scaler = ShardedGradScaler("cpu")
+    scaler.scale(model(torch.ones(2, 6, dtype=torch.float16)).float().sum()).backward()
+    if fused:
+        scaler.step(opt)
+        return
+    with pytest.raises(ValueError, match=r"unscale FP16 gradients.*master_dtype=torch.float32"):
+        scaler.step(opt)
+    with pytest.raises(ValueError, match=r"unscale FP16 gradients.*master_dtype=torch.float32"):
+        scaler.unscale_(opt)
