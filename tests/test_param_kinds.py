@@ -743,7 +743,7 @@ def _jobs() -> dict[str, Callable[[], object]]:
     }
 
 
-THREE_RANK_JOBS = ("complex", "shapes", "mixed_fp32_bf16")
+THREE_RANK_JOBS = ("complex", "shapes", "mixed_fp32_bf16", "fp16_scaler_master", "scripted_submodule")
 """Loops run on 3 ranks too: shards then split params at other offsets."""
 
 
