@@ -1,10 +1,15 @@
 """Unusual params and modules through ShardingStage1 against plain torch (red-team round six):
-complex, fp64 and mixed fp32/bf16 params, params of odd shapes (0-dim, no elements, larger than
-a bucket, thousands of scalars, fewer elements than ranks, strided, views), lazy, scripted and
-traced modules, parametrizations registered before and after wrapping, attention and recurrent
-layers with their rarer options, grouped and transposed convolutions, backward hooks that
-rescale grads, custom autograd functions, ``checkpoint_sequential``, dict containers, modules
-called twice or not at all, and params replaced, cast or re-initialized after wrapping.
+complex (also with a real ``reduce_dtype`` and clipping), fp64, mixed fp32/bf16 params and fp16
+params with fp32 masters and loss scaling, params of odd shapes (0-dim, no elements, larger than
+a bucket, a thousand scalars, fewer elements than ranks, strided, views), lazy, scripted, traced
+and ``fx``-traced modules, parametrizations (LoRA's among them) registered before and after
+wrapping, attention and recurrent layers with their rarer options, grouped and transposed
+convolutions, backward hooks that rescale grads, custom autograd functions,
+``checkpoint_sequential``, dict containers, modules called twice, through ``.forward`` or not at
+all, a model trained through methods other than ``forward``, and params replaced, cast or
+re-initialized after wrapping. What cannot work is refused at wrapping (uninitialized lazy
+params, params sharing memory, a scripted ``model=``) or at the step (a cast model, fp16 grads
+scaled without a master), with the fix in the message.
 
 Each loop runs plain (one process, every slice), sharded sync, sharded overlap with the model
 attached and sharded overlap without a model (the harness of ``tests/test_user_loops_3.py``),
@@ -44,7 +49,10 @@ from tests.test_user_loops_2 import BufferLoop
 class CastLoop(BufferLoop):
     """A :class:`BufferLoop` whose plain run casts each averaged grad (summed in the reduction
     dtype, fp32 for 16-bit params) back to its param's dtype, which is what the wrapper steps
-    when it keeps no master copy."""
+    when it keeps no master copy, or, given ``masters``, hands it as it is to the param's
+    master copy."""
+
+    masters: list[torch.Tensor] | None = None
 
     def backward(  # type: ignore[override]
         self,
@@ -64,7 +72,10 @@ class CastLoop(BufferLoop):
             per_slice.append([None if p.grad is None else p.grad.clone() for p in params])
         for i, p in enumerate(params):
             grad = _average([grads[i] for grads in per_slice], p.dtype, self.world_size)
-            p.grad = None if grad is None else grad.to(p.dtype)
+            if self.masters is None:
+                p.grad = None if grad is None else grad.to(p.dtype)
+            else:
+                p.grad, self.masters[i].grad = None, grad
 
 
 class ConfiguredLoop(BufferLoop):
@@ -220,33 +231,6 @@ def fp16_scaler_loop(loop: Loop) -> dict:
                     p.copy_(master)
     loop.sync(opt)
     return {"params": _snapshot(model), "scales": scales}
-
-
-class MasterGradLoop(BufferLoop):
-    """A :class:`BufferLoop` whose plain run gives each averaged grad, in the reduction dtype
-    (fp32 for 16-bit params), to the param's fp32 master copy in ``masters``."""
-
-    masters: list[torch.Tensor] = []
-
-    def backward(  # type: ignore[override]
-        self,
-        opt: torch.optim.Optimizer,
-        params: list[nn.Parameter],
-        loss_of: Callable[[int], torch.Tensor],
-        **kwargs,
-    ) -> None:
-        if self.sharded:
-            super().backward(opt, params, loss_of, **kwargs)
-            return
-        per_slice = []
-        for index in range(self.world_size):
-            for p in params:
-                p.grad = None
-            loss_of(index).backward()
-            per_slice.append([p.grad.clone() for p in params])
-        for i, (p, master) in enumerate(zip(params, self.masters, strict=True)):
-            p.grad = None
-            master.grad = _average([grads[i] for grads in per_slice], p.dtype, self.world_size)
 
 
 # -- shapes ----------------------------------------------------------------------------------------
@@ -714,9 +698,7 @@ def _jobs() -> dict[str, Callable[[], object]]:
         "complex_clipped": lambda: _modes(lambda loop: complex_loop(loop, max_norm=0.05)),
         "fp64": lambda: _modes(fp64_loop),
         "mixed_fp32_bf16": lambda: _modes(mixed_dtype_loop, plain=CastLoop),
-        "fp16_scaler_master": lambda: _modes(
-            fp16_scaler_loop, plain=MasterGradLoop, master_dtype=torch.float32
-        ),
+        "fp16_scaler_master": lambda: _modes(fp16_scaler_loop, plain=CastLoop, master_dtype=torch.float32),
         "shapes": lambda: _modes(shapes_loop),
         "shapes_auto_buckets": lambda: _modes(shapes_loop, bucket_size_mb=None),
         "tiny_params": lambda: _modes(tiny_params_loop, bucket_size_mb=None),
