@@ -176,6 +176,29 @@ def complex_loop(loop: Loop, max_norm: float | None = None) -> dict:
     return _train(loop, model, _regression(model), max_norm=max_norm)
 
 
+class SpectralNet(nn.Module):
+    """A Fourier layer whose complex weights are kept as real pairs and read with
+    ``torch.view_as_complex`` (FNO-style), which needs an even storage offset; the scalar and
+    the 2-wide head before it in the layout would start it at an odd one if packed densely."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gain = nn.Parameter(torch.tensor(1.0))
+        self.modes = nn.Parameter(torch.randn(3, 2) / 2)
+        self.head = nn.Linear(2, 2, bias=False)
+        self.shift = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(x, dim=-1)[..., :3] * torch.view_as_complex(self.modes)
+        return self.head(torch.fft.irfft(spectrum, n=6, dim=-1)[..., :2]) * self.gain + self.shift
+
+
+def spectral_loop(loop: Loop) -> dict:
+    model = SpectralNet()
+    return _train(loop, model, _regression(model))
+
+
 def fp64_loop(loop: Loop) -> dict:
     model = SmallNet().double()
     return _train(loop, model, _regression(model, torch.float64))
@@ -696,6 +719,7 @@ def _jobs() -> dict[str, Callable[[], object]]:
         "complex": lambda: _modes(complex_loop),
         "complex_reduce_dtype": lambda: _modes(complex_loop, reduce_dtype=torch.float32),
         "complex_clipped": lambda: _modes(lambda loop: complex_loop(loop, max_norm=0.05)),
+        "complex_as_real_pairs": lambda: _modes(spectral_loop),
         "fp64": lambda: _modes(fp64_loop),
         "mixed_fp32_bf16": lambda: _modes(mixed_dtype_loop, plain=CastLoop),
         "fp16_scaler_master": lambda: _modes(fp16_scaler_loop, plain=CastLoop, master_dtype=torch.float32),
