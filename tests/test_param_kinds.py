@@ -863,3 +863,22 @@ def test_fp16_params_without_master_are_scaled_as_torch_does(single_rank_group, 
         scaler.step(opt)
     with pytest.raises(ValueError, match=r"unscale FP16 gradients.*master_dtype=torch.float32"):
         scaler.unscale_(opt)
+
+
+def test_model_weights_round_trip_through_safetensors_save_file(single_rank_group, tmp_path) -> None:
+    """The way the README names for safetensors (``save_model`` refuses params that are views of
+    a shared storage); the file holds only the params, not their buckets' padding."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    model = Plain()
+    opt = ShardingStage1(torch.optim.AdamW(model.parameters(), lr=0.1), overlap=True, model=model)
+    model(torch.ones(2, 6)).sum().backward()
+    opt.step()
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(model.state_dict(), path)
+    saved = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model.load_state_dict(safetensors_torch.load_file(path))
+    torch.testing.assert_close(dict(model.named_parameters()), saved, rtol=0, atol=0)
+    assert path.stat().st_size < 1024 + 4 * sum(p.numel() for p in saved.values())
