@@ -118,10 +118,12 @@ def _refuse_shared_memory(params: list[Tensor]) -> None:
             spans.setdefault(param.untyped_storage().data_ptr(), []).append((start, end, index))
     for ranges in spans.values():
         ranges.sort()
-        widest = ranges[0]
-        for span in ranges[1:]:
-            if span[0] < widest[1] and _share_elements(params[widest[2]], params[span[2]]):
-                first, second = sorted((widest[2], span[2]))
+        open_spans: list[tuple[int, int, int]] = []  # those reaching past the current start
+        for start, end, index in ranges:
+            open_spans = [span for span in open_spans if span[1] > start]
+            shared = [other for _, _, other in open_spans if _share_elements(params[other], params[index])]
+            if shared:
+                first, second = sorted((shared[0], index))
                 raise ValueError(
                     f"ShardingStage1 expects params with memory of their own but params {first} and "
                     f"{second} share memory (one was made from the other, e.g. nn.Parameter(w.t())); "
@@ -130,7 +132,7 @@ def _refuse_shared_memory(params: list[Tensor]) -> None:
                     "(decoder.weight = encoder.weight, or F.linear(x, encoder.weight.t())); for "
                     "independent params, .clone() one of them"
                 )
-            widest = max(widest, span, key=lambda r: r[1])
+            open_spans.append((start, end, index))
 
 
 def _byte_span(tensor: Tensor) -> tuple[int, int]:
