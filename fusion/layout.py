@@ -9,7 +9,13 @@ Note [Alignment and padding]
     vectorized kernels over it, start on an aligned address. A smaller param (a scalar, a bias
     of a few elements) is packed densely right after the param before it: a kernel over fewer
     elements than one aligned block gains nothing from an aligned start, while padding it to a
-    full block made a model of scalar params take 64 times its size (fp32, 256 bytes). Each
+    full block made a model of scalar params take 64 times its size (fp32, 256 bytes). It does
+    start at a multiple of the largest power of two that divides its size in bytes, up to 16
+    bytes (``MAX_VIEW_ALIGN_BYTES``): a fresh tensor starts at offset 0, so models read small
+    params through views as wider dtypes (``torch.view_as_complex`` of a (3, 2) fp32 weight kept
+    as real pairs, ``param.view(torch.float32)`` of a bf16 one), which need an offset divisible
+    by the wider itemsize; packed at an odd offset the view raised. A scalar still takes its own
+    size, and any view the param's size allows stays possible. Each
     bucket's numel is padded to a multiple of ``world_size * align_elems``: the bucket then splits
     into ``world_size`` equal shards (equal shards are what reduce_scatter/all_gather need) and
     every shard also starts aligned. The weaker rule ``lcm(world_size, align_elems)`` used
@@ -50,6 +56,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+MAX_VIEW_ALIGN_BYTES = 16
+"""The widest dtype (complex128) in bytes: a param may be viewed as any dtype up to this wide,
+see Note [Alignment and padding]."""
 
 DEFAULT_ALIGN_BYTES = 256
 """Param and shard start alignment; 256 bytes covers 128-byte cache lines and GPU vector loads.
@@ -202,11 +212,23 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def slot_offset(cursor: int, numel: int, align: int) -> int:
-    """Where a param of ``numel`` elements starts when the bucket's used part ends at ``cursor``:
-    aligned to ``align`` elements if it has at least that many, else packed densely at
-    ``cursor``, see Note [Alignment and padding]."""
-    return cursor if numel < align else round_up(cursor, align)
+def slot_offset(cursor: int, numel: int, align: int, itemsize: int) -> int:
+    """Where a param of ``numel`` elements of ``itemsize`` bytes starts when the bucket's used
+    part ends at ``cursor``: aligned to ``align`` elements if it has at least that many, else
+    packed at ``cursor`` rounded up to the wider views its size allows, see Note [Alignment and
+    padding]."""
+    block = align if numel >= align else 1
+    return round_up(cursor, max(block, view_align_numel(numel, itemsize)))
+
+
+def view_align_numel(numel: int, itemsize: int) -> int:
+    """The start alignment, in elements, that keeps every view of a param of ``numel`` elements
+    as a dtype of up to ``MAX_VIEW_ALIGN_BYTES`` bytes possible: the largest power of two that
+    divides its size in bytes, at most that many bytes."""
+    size_bytes = numel * itemsize
+    if size_bytes == 0:
+        return 1
+    return max(1, min(size_bytes & -size_bytes, MAX_VIEW_ALIGN_BYTES) // itemsize)
 
 
 def plan_layout(
@@ -285,7 +307,7 @@ def _build_bucket(
     slots = []
     cursor = 0
     for param_index, spec in members:
-        offset = slot_offset(cursor, spec.numel, align)
+        offset = slot_offset(cursor, spec.numel, align, spec.dtype.itemsize)
         slots.append(ParamSlot(param_index, bucket_index, offset, spec.numel, spec.shape, spec.strides))
         cursor = offset + spec.numel
     padded = round_up(max(cursor, 1), world_size * align)
@@ -313,8 +335,9 @@ class _OpenBucket:
         self.cursor = 0
 
     def bytes_after(self, spec: ParamSpec) -> int:
-        return (slot_offset(self.cursor, spec.numel, self.align) + spec.numel) * spec.dtype.itemsize
+        offset = slot_offset(self.cursor, spec.numel, self.align, spec.dtype.itemsize)
+        return (offset + spec.numel) * spec.dtype.itemsize
 
     def add(self, index: int, spec: ParamSpec) -> None:
         self.members.append((index, spec))
-        self.cursor = slot_offset(self.cursor, spec.numel, self.align) + spec.numel
+        self.cursor = slot_offset(self.cursor, spec.numel, self.align, spec.dtype.itemsize) + spec.numel

@@ -49,6 +49,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     ) -> dict[torch.device, torch.Tensor]:
         if not isinstance(optimizer, ShardingStage1):
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        _refuse_fp16_steps(optimizer)
         optimizer._reduce_grads()
         per_device = super()._unscale_grads_(optimizer._inner, inv_scale, found_inf, allow_fp16)
         optimizer._grad_tracker.accept_grad_writes()
@@ -62,3 +63,19 @@ class ShardedGradScaler(torch.amp.GradScaler):
             # Replicas hold equal shards (hybrid sharding): the shard group sees every element.
             dist.all_reduce(per_device[device], op=dist.ReduceOp.MAX, group=optimizer._comm.group)
         return per_device
+
+
+def _refuse_fp16_steps(optimizer: ShardingStage1) -> None:
+    """Refuse fp16 grads stepped without a master copy, as the stock scaler does for every
+    optimizer but torch's fused ones (whose kernels unscale in fp32): unscaled in fp16, small
+    grads flush to zero. The wrapper declares ``_step_supports_amp_scaling`` like the fused
+    optimizers, so without this check it would train where plain torch refuses."""
+    if any(group.get("fused") for group in optimizer.param_groups):
+        return
+    if any(precision.master_dtype == torch.float16 for precision in optimizer._comm.precisions):
+        raise ValueError(
+            "ShardedGradScaler: attempting to unscale FP16 gradients, which torch.amp.GradScaler "
+            "refuses too (small grads would flush to zero). Keep an fp32 master copy: "
+            "Strategy(sharding=ShardingConfig(master_dtype=torch.float32)), or keep the params in "
+            "fp32 and use torch.autocast"
+        )

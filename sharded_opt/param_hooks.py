@@ -73,6 +73,16 @@ Note [Writes while params are gathered]
     of their own (``param.data`` was pointed at them), and forward never writes params, so only
     outside writes are seen.
 
+Note [Scripted submodules]
+    A ``torch.jit.script``-ed or traced module (a ``ScriptModule``) refuses Python hooks, and its
+    forward runs in TorchScript, where no torch function mode sees its reads. So no hook goes on
+    it or its submodules; the nearest eager module above it waits, in its own forward pre-hook
+    and state-dict hooks, for every bucket holding the scripted subtree's params: a scripted
+    block inside an eager model starts on this step's weights, a little earlier than a hook of
+    its own would wait. A model that is itself a ``ScriptModule`` has no eager module to wait
+    in and is refused as ``model=`` (``check_trained_modules``); without a model, ``step()``
+    waits for its all-gathers before it returns, which any model can use.
+
 Note [torch.compile]
     Waiting for a collective (``Work.wait()``) inside a compiled forward is a graph break in
     every module that owns params, and an error with ``fullgraph=True``. So when Dynamo traces a
@@ -159,9 +169,11 @@ class ParamReadyWaiter:
         ]
         """The hooks this waiter installed; see Note [Hook lifetimes and copies]."""
         for module in model.modules():
+            if isinstance(module, torch.jit.ScriptModule):
+                continue  # runs no Python hooks: its eager parent waits for it, Note [Scripted submodules]
             fused = isinstance(module, _READS_CHILDRENS_PARAMS)
             buckets = tuple(
-                sorted({bucket_of[id(p)] for p in module.parameters(recurse=fused) if id(p) in bucket_of})
+                sorted({bucket_of[id(p)] for p in _params_read_by(module, fused) if id(p) in bucket_of})
             )
             if buckets:
                 hook = WeakMethodHook(self._wait_for, buckets)
@@ -244,6 +256,16 @@ class ParamReadyWaiter:
         return tuple(
             params[slot.param_index]._version for slot in self._buffers.plan.buckets[bucket_index].slots
         )
+
+
+def _params_read_by(module: nn.Module, whole_subtree: bool) -> Iterable[torch.Tensor]:
+    """The params ``module``'s forward reads without a hook of their own module running first:
+    its own, its scripted children's (Note [Scripted submodules]) and, with ``whole_subtree``,
+    all of its subtree's."""
+    if whole_subtree:
+        return module.parameters()
+    scripted = (child for child in module.children() if isinstance(child, torch.jit.ScriptModule))
+    return [*module.parameters(recurse=False), *(p for child in scripted for p in child.parameters())]
 
 
 _METADATA_GETTERS = (

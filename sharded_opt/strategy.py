@@ -51,11 +51,11 @@ class ShardingConfig:
 
     reduce_dtype: torch.dtype | None = None
     """Dtype grads are averaged in. None: fp32 for 16-bit params (bf16 sums lose precision
-    quickly), the params' own dtype otherwise."""
+    quickly), the params' own dtype otherwise. Complex params always use their own dtype."""
 
     master_dtype: torch.dtype | None = None
     """Dtype of the copy of the local shard that the optimizer steps, e.g. ``torch.float32``
-    for bf16 params. None: step the params' own dtype, no copy."""
+    for bf16 params. None: step the params' own dtype, no copy. Complex params get no copy."""
 
     gloo_point_to_point: bool = False
     """On gloo with CPU tensors, run each bucket's reduce-scatter and all-gather as point-to-point

@@ -13,6 +13,10 @@ from torch.distributed import ProcessGroup
 
 from fusion.layout import ParamSpec
 
+_MEMORY_OVERLAPS = 1
+"""``torch._debug_has_internal_overlap``'s answer for a tensor some of whose elements share
+memory; torch's in-place ops (every optimizer update) refuse exactly those."""
+
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
@@ -69,15 +73,32 @@ def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list
                     "duplicate from the optimizer's param groups"
                 )
             seen[id(param)] = len(params)
+            if nn.parameter.is_lazy(param):
+                raise ValueError(
+                    f"ShardingStage1 expects initialized params but param {len(params)} (group "
+                    f"{group_index}) is an uninitialized param of a lazy module (nn.LazyLinear, "
+                    "nn.LazyConv2d, ...), whose shape is only known after its first forward; run one "
+                    "forward with a sample batch before wrapping: `model(sample); opt = "
+                    "ShardingStage1(optimizer, ...)` (the torch optimizer may be built before it)"
+                )
             if param.is_sparse or param.layout != torch.strided:
                 raise ValueError(
                     f"ShardingStage1 expects dense params but param {len(params)} (group "
                     f"{group_index}) has layout {param.layout}; sparse params cannot live in flat buffers"
                 )
+            if torch._debug_has_internal_overlap(param) == _MEMORY_OVERLAPS:
+                raise ValueError(
+                    f"ShardingStage1 expects params whose elements have memory of their own but param "
+                    f"{len(params)} (group {group_index}) of shape {list(param.shape)} has strides "
+                    f"{list(param.stride())}, so several elements share memory (made by expand() or "
+                    "as_strided); torch.optim cannot update it in place either. Make it with .clone(): "
+                    "nn.Parameter(t.expand(...).clone())"
+                )
             params.append(param)
             specs.append(ParamSpec.of(param, group_index))
     if not params:
         raise ValueError("ShardingStage1 expects an optimizer with params but its param groups are empty")
+    _refuse_shared_memory(params)
     devices = sorted({str(spec.device) for spec in specs})
     if len(devices) > 1:
         raise ValueError(
@@ -85,6 +106,54 @@ def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list
             "the model to one device (the rank's own) before building the optimizer"
         )
     return params, specs
+
+
+def _refuse_shared_memory(params: list[Tensor]) -> None:
+    """Refuse two params with elements in common (``dec.weight = nn.Parameter(enc.weight.t())``):
+    torch.optim updates the shared memory once per param, and they stay tied; laid out, each
+    gets memory of its own and they silently drift apart (3.3e-2 after three SGD steps)."""
+    spans: dict[int, list[tuple[int, int, int]]] = {}
+    for index, param in enumerate(params):
+        if param.numel() > 0 and param.device.type != "meta":  # meta tensors have no memory
+            start, end = _byte_span(param)
+            spans.setdefault(param.untyped_storage().data_ptr(), []).append((start, end, index))
+    for ranges in spans.values():
+        ranges.sort()
+        open_spans: list[tuple[int, int, int]] = []  # those reaching past the current start
+        for start, end, index in ranges:
+            open_spans = [span for span in open_spans if span[1] > start]
+            shared = [other for _, _, other in open_spans if _share_elements(params[other], params[index])]
+            if shared:
+                first, second = sorted((shared[0], index))
+                raise ValueError(
+                    f"ShardingStage1 expects params with memory of their own but params {first} and "
+                    f"{second} share memory (one was made from the other, e.g. nn.Parameter(w.t())); "
+                    "torch.optim would update that memory once for each, the flat buffers would give "
+                    "each a copy of its own. To tie weights, use one Parameter in both places "
+                    "(decoder.weight = encoder.weight, or F.linear(x, encoder.weight.t())); for "
+                    "independent params, .clone() one of them"
+                )
+            open_spans.append((start, end, index))
+
+
+def _byte_span(tensor: Tensor) -> tuple[int, int]:
+    """First and one-past-last byte of ``tensor``'s elements in its storage."""
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    start = tensor.storage_offset() * tensor.element_size()
+    return start, start + (last + 1) * tensor.element_size()
+
+
+def _share_elements(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` (spans overlapping in one storage) have an element in common;
+    interleaved views (``w[:, ::2]``, ``w[:, 1::2]``) do not. Views of other dtypes count as
+    sharing."""
+    if a.element_size() != b.element_size():
+        return True
+    extent = max(_byte_span(a)[1], _byte_span(b)[1]) // a.element_size()
+    offsets = torch.arange(extent)
+    mine = offsets.as_strided(a.shape, a.stride(), a.storage_offset())
+    theirs = offsets.as_strided(b.shape, b.stride(), b.storage_offset())
+    return bool(torch.isin(mine, theirs).any())
 
 
 def check_trained_modules(model: nn.Module, params: list[Tensor]) -> None:
@@ -101,8 +170,18 @@ def check_trained_modules(model: nn.Module, params: list[Tensor]) -> None:
       row ended 2.97 off plain torch, which renormalizes every row looked up by any sample);
     - a ``DistributedDataParallel`` (or FSDP) wrapper: it averages the grads itself and writes
       them after backward, which the wrapper's own reduction already covers (torch's
-      ``ZeroRedundancyOptimizer`` is used beside DDP; this one replaces it).
+      ``ZeroRedundancyOptimizer`` is used beside DDP; this one replaces it);
+    - a model that is itself a ``torch.jit.ScriptModule`` (scripted or traced): it takes no
+      Python hooks, so there is nowhere to wait for its params, broadcast its buffers or check
+      its params' shapes before a forward (Note [Scripted submodules] in ``param_hooks``).
     """
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(
+            f"ShardingStage1(model=...) expects an eager nn.Module but got a {type(model).__name__} "
+            "(torch.jit.script or torch.jit.trace), which runs no Python hooks. Leave model= out "
+            "(step() then waits for its all-gathers before it returns), or pass the eager model "
+            "and script only its submodules"
+        )
     data_parallel = _data_parallel_wrappers()
     trained = {id(param) for param in params}
     for name, module in model.named_modules():

@@ -1,7 +1,8 @@
 """Tests for the pure layout planner in ``fusion.layout``.
 
 Expected values are worked out here from the layout rules (reverse registration order, aligned
-offsets for params of at least ``align_elems`` elements and dense packing of smaller ones, greedy
+offsets for params of at least ``align_elems`` elements and dense packing of smaller ones, each
+param starting where every view its byte size allows, up to 16-byte dtypes, is possible, greedy
 bucket closing, padding to ``world_size * align_elems``), not from the planner.
 """
 
@@ -46,10 +47,20 @@ def ceil_to(value: int, multiple: int) -> int:
     return math.ceil(value / multiple) * multiple
 
 
-def start_after(end: int, numel: int, align: int) -> int:
+def view_alignment(numel: int, itemsize: int) -> int:
+    """Elements a param's start must be a multiple of so that it can be viewed as any dtype of
+    up to 16 bytes that divides its size (``torch.view_as_complex``, ``param.view(dtype)``)."""
+    alignment_bytes = 1
+    while alignment_bytes < 16 and numel * itemsize % (2 * alignment_bytes) == 0 and numel > 0:
+        alignment_bytes *= 2
+    return max(1, alignment_bytes // itemsize)
+
+
+def start_after(end: int, numel: int, align: int, itemsize: int) -> int:
     """Where a param starts after the bucket's used part: aligned if it fills an aligned block,
-    else right at ``end``."""
-    return end if numel < align else ceil_to(end, align)
+    else at the first offset from ``end`` where its wider views are possible."""
+    block = align if numel >= align else 1
+    return ceil_to(end, max(block, view_alignment(numel, itemsize)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,7 +118,8 @@ def reference_buckets(
         align = elems_per_align(p.dtype, align_bytes)
         members = open_groups.get(key)
         if members is not None:
-            end_if_added = start_after(open_end[key], math.prod(p.shape), align) + math.prod(p.shape)
+            numel = math.prod(p.shape)
+            end_if_added = start_after(open_end[key], numel, align, ITEMSIZE[p.dtype]) + numel
             limit = bucket_size_bytes
             if key not in first_keys and first_bucket_bytes is not None:
                 limit = first_bucket_bytes
@@ -119,7 +131,8 @@ def reference_buckets(
             members = open_groups[key] = []
             open_end[key] = 0
         members.append(index)
-        open_end[key] = start_after(open_end[key], math.prod(p.shape), align) + math.prod(p.shape)
+        numel = math.prod(p.shape)
+        open_end[key] = start_after(open_end[key], numel, align, ITEMSIZE[p.dtype]) + numel
     done.extend(open_groups.values())
     # Layout position grows as the registration index shrinks.
     done.sort(key=lambda members: -members[0])
@@ -176,7 +189,9 @@ def check_plan(
         for prev, nxt in pairwise(key_buckets):
             align = elems_per_align(prev.dtype, align_bytes)
             first = nxt.slots[0]
-            end_if_added = start_after(prev.used_numel, first.numel, align) + first.numel
+            end_if_added = (
+                start_after(prev.used_numel, first.numel, align, ITEMSIZE[prev.dtype]) + first.numel
+            )
             assert end_if_added * ITEMSIZE[prev.dtype] > bsize
             # And buckets of one key never interleave in layout order.
             assert prev.slots[-1].param_index > first.param_index
@@ -194,19 +209,18 @@ def check_bucket(bucket, params, world_size: int, align_bytes: int, bsize: int):
     align = elems_per_align(bucket.dtype, align_bytes)
 
     # Reverse registration order, no overlap, tight packing: a param of at least one aligned
-    # block starts at the first aligned offset after the one before it, a smaller one right after.
+    # block starts at the first aligned offset after the one before it, a smaller one at the
+    # first offset after it where its wider views are possible.
     end = 0
     prev_index = None
     for slot in bucket.slots:
         if prev_index is not None:
             assert slot.param_index < prev_index
         prev_index = slot.param_index
-        if slot.numel >= align:
-            assert slot.offset % align == 0
-            assert slot.offset >= end
-            assert slot.offset - end < align
-        else:
-            assert slot.offset == end
+        alignment = max(align if slot.numel >= align else 1, view_alignment(slot.numel, itemsize))
+        assert slot.offset % alignment == 0
+        assert slot.offset >= end
+        assert slot.offset - end < alignment
         end = slot.offset + slot.numel
     assert bucket.used_numel == end
 
@@ -400,6 +414,26 @@ def test_small_params_pack_densely_big_ones_stay_aligned():
         ShardPiece(1, 0, 64, 64),
     )
     assert bucket.shard_pieces(1) == (ShardPiece(0, 0, 0, 10),)
+
+
+def test_small_params_start_where_their_wider_views_are_possible():
+    # fp32, 64-element alignment. Reverse order: the scalar 3 at 0; 2, (3, 2) = 24 bytes, may be
+    # viewed as complex64 (8 bytes), so it starts at 2, not 1; 1, 5 elements = 20 bytes, allows
+    # no wider view and follows at 8; 0, (4, 2) = 32 bytes, may be viewed as complex128 (16
+    # bytes) and starts at 16, not 13.
+    plan = plan_layout(
+        [spec(4, 2), spec(5), spec(3, 2), spec()], 1, align_bytes=256, bucket_size_bytes=1 << 20
+    )
+    (bucket,) = plan.buckets
+    assert [(s.param_index, s.offset) for s in bucket.slots] == [(3, 0), (2, 2), (1, 8), (0, 16)]
+    # bf16: a scalar at 0, then 4 elements (8 bytes, viewable as fp64) at 4.
+    plan = plan_layout(
+        [spec(4, dtype=torch.bfloat16), spec(dtype=torch.bfloat16)],
+        1,
+        align_bytes=256,
+        bucket_size_bytes=1 << 20,
+    )
+    assert [(s.param_index, s.offset) for s in plan.buckets[0].slots] == [(1, 0), (0, 4)]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
