@@ -82,7 +82,7 @@ from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.grad_hooks import GradReadyTracker
 from sharded_opt.grad_presence import GradPresence, presence_group
 from sharded_opt.hybrid_groups import resolve_shard_groups
-from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, hyperparameters
+from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, check_steps, hyperparameters
 from sharded_opt.local_shard import resolve_precision
 from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter, register_eager_pre_hook
 from sharded_opt.state_view import ShardedStateView
@@ -138,7 +138,9 @@ class ShardingStage1(torch.optim.Optimizer):
         ValueError: no trainable params, duplicate or sparse params, a ``model`` module that
             makes sparse grads (``nn.Embedding(sparse=True)``) or renormalizes its weight in
             forward (``nn.Embedding(max_norm=...)``), params on several devices,
-            ranks with different params, an optimizer that already stepped or is already wrapped;
+            ranks with different params, an optimizer that already stepped or is already wrapped,
+            settings torch refuses only at the first step (``capturable=True`` on CPU, see Note
+            [Refused at the first step] in ``inner_optimizer``);
             a ``degree`` that does not divide the world size, a ``device_mesh`` that is not 2-D or
             comes with ``process_group`` or ``degree``.
         RuntimeError: no initialized process group.
@@ -187,12 +189,20 @@ class ShardingStage1(torch.optim.Optimizer):
             bucket_size_bytes=bucket_sizes.bucket_bytes,
             first_bucket_bytes=bucket_sizes.first_bucket_bytes,
         )
-        self._buffers = FlatBuffers(self.plan, params)
-        self._broadcast_from_first_rank()
         precisions = [
             resolve_precision(bucket.dtype, config.reduce_dtype, config.master_dtype)
             for bucket in self.plan.buckets
         ]
+        if type(optimizer) in ELEMENTWISE_OPTIMIZERS:  # Note [Refused at the first step]
+            check_steps(
+                optimizer,
+                {
+                    (b.group_index, p.master_dtype, b.device)
+                    for b, p in zip(self.plan.buckets, precisions, strict=True)
+                },
+            )
+        self._buffers = FlatBuffers(self.plan, params)
+        self._broadcast_from_first_rank()
         if sharded:
             self._comm = BucketCommunicator(
                 self._buffers,
