@@ -508,7 +508,8 @@ class ShardingStage1(torch.optim.Optimizer):
         original = self._wrapped_optimizer()
         if original is not None:
             original._sharded_opt_wrapper = None
-            original.__dict__.pop("add_param_group", None)
+            for method in ("add_param_group", *_WRAPPED_STATE_METHODS):
+                original.__dict__.pop(method, None)
 
     def __enter__(self) -> ShardingStage1:
         return self
@@ -570,6 +571,9 @@ class ShardingStage1(torch.optim.Optimizer):
         Args:
             to_rank: materialize the full state on this rank of the group only; the other ranks
                 return None. Default: every rank gets it.
+
+        Hooks registered with ``register_state_dict_pre_hook``/``..._post_hook`` run around it,
+        as in torch; post-hooks only on the ranks that get the state dict.
         """
         if to_rank is not None and not 0 <= to_rank < self.world_size:
             raise ValueError(
@@ -579,14 +583,21 @@ class ShardingStage1(torch.optim.Optimizer):
         self._check_all_ranks_enter(
             "state_dict", "Call opt.state_dict(to_rank=0) on every rank (the others get None)"
         )
-        return state_dict_conversion.gather_state_dict(self, to_rank)
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = state_dict_conversion.gather_state_dict(self, to_rank)
+        if state is not None:
+            for post_hook in self._optimizer_state_dict_post_hooks.values():
+                state = _replaced_by(post_hook(self, state), state)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a standard ``torch.optim`` state dict (from a plain optimizer or from
         :meth:`state_dict`, saved on any number of ranks).
 
         Everything is validated before anything changes: on error the optimizer is exactly as
-        it was.
+        it was. Hooks registered with ``register_load_state_dict_pre_hook``/``..._post_hook``
+        run around it, as in torch.
 
         Raises:
             ValueError: wrong structure, number of groups or params, state keys of another
@@ -594,7 +605,12 @@ class ShardingStage1(torch.optim.Optimizer):
         """
         self.sync_params()
         self._check_all_ranks_enter("load_state_dict", "Call opt.load_state_dict(sd) on every rank")
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = _replaced_by(pre_hook(self, state_dict), state_dict)
         state_dict_conversion.load_state_dict(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -633,11 +649,16 @@ class ShardingStage1(torch.optim.Optimizer):
     def _mark_wrapped(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer`` refuse to be wrapped again while this wrapper lives, and to step
         until ``close()`` (stepping it is a mistake even after the wrapper was dropped: ranks
-        would diverge)."""
+        would diverge); likewise ``add_param_group``, ``state_dict`` and ``load_state_dict``,
+        which would act on its own, empty state."""
         optimizer._sharded_opt_wrapper = weakref.ref(self)
         self._step_refusal = optimizer.register_step_pre_hook(_refuse_wrapped_step)
         optimizer.add_param_group = functools.partial(_refuse_wrapped_add_param_group, type(optimizer))
         self._wrapped_optimizer = weakref.ref(optimizer)
+        for method in _WRAPPED_STATE_METHODS:
+            setattr(
+                optimizer, method, functools.partial(_refuse_wrapped_state_method, type(optimizer), method)
+            )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1032,6 +1053,24 @@ def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: 
     raise RuntimeError(
         f"this {type(optimizer).__name__} is wrapped by ShardingStage1; call the wrapper's step()"
     )
+
+
+_WRAPPED_STATE_METHODS = ("state_dict", "load_state_dict")
+"""Methods of the wrapped torch optimizer that would silently act on its own, empty state."""
+
+
+def _refuse_wrapped_state_method(optimizer_class: type, method: str, *args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        f"this {optimizer_class.__name__} is wrapped by ShardingStage1, which keeps its state in "
+        f"shards over the ranks; its own {method}() would see none of it (a checkpoint without "
+        f"optimizer state, or a load whose state is never stepped). Call the wrapper's "
+        f"opt.{method}(...) instead, on every rank (opt.state_dict(to_rank=0) gathers it on one)"
+    )
+
+
+def _replaced_by(hook_result: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """torch's hook protocol: a state-dict hook returns a new dict, or None to keep the old one."""
+    return state_dict if hook_result is None else hook_result
 
 
 _ADD_GROUPS_FIRST = (

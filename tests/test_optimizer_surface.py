@@ -717,6 +717,67 @@ def _stepped(opt: torch.optim.Optimizer, model: SurfaceNet) -> None:
     opt.step()
 
 
+def test_wrapped_torch_optimizer_refuses_its_own_state_dict(single_rank_group) -> None:
+    """Code that keeps both names and checkpoints the torch optimizer got its own state, which
+    the wrapper never fills (``state`` {}), and a load into it was never stepped: both silently
+    lost the optimizer state. They raise, naming the wrapper's methods, until ``close()``."""
+    model = SurfaceNet()
+    optimizer = torch.optim.AdamW(_groups(model), lr=1e-2)
+    opt = ShardingStage1(optimizer, model=model)
+    _stepped(opt, model)
+    with pytest.raises(
+        RuntimeError, match=r"AdamW is wrapped by ShardingStage1.*opt\.state_dict\(\.\.\.\) instead"
+    ):
+        optimizer.state_dict()
+    saved = opt.state_dict()
+    with pytest.raises(RuntimeError, match=r"its own load_state_dict\(\).*opt\.load_state_dict\(\.\.\.\)"):
+        optimizer.load_state_dict(saved)
+    opt.close()
+    optimizer.load_state_dict(saved)
+    assert sorted(optimizer.state_dict()["state"]) == sorted(saved["state"])
+
+
+def test_state_dict_hooks_run_as_in_torch(single_rank_group) -> None:
+    """Hooks registered on the wrapper with ``register_state_dict_pre_hook`` and the three
+    others run as on a torch optimizer, in the same order, and what post-hooks and load
+    pre-hooks return replaces the state dict."""
+
+    def register(opt: torch.optim.Optimizer, calls: list[str]) -> None:
+        opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+        opt.register_state_dict_post_hook(lambda o, sd: {**sd, "saved_by": "post hook"})
+        opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append(f"load pre {sd.get('saved_by')}"))
+        opt.register_load_state_dict_pre_hook(
+            lambda o, sd: {**sd, "param_groups": [{**g, "lr": 0.5} for g in sd["param_groups"]]}
+        )
+        opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+
+    model, reference = SurfaceNet(), SurfaceNet()
+    opt = ShardingStage1(torch.optim.Adam(_groups(model)), model=model)
+    plain = torch.optim.Adam(_groups(reference))
+    calls: dict[str, list[str]] = {"sharded": [], "plain": []}
+    for name, optimizer, net in (("sharded", opt, model), ("plain", plain, reference)):
+        register(optimizer, calls[name])
+        _stepped(optimizer, net)
+        saved = optimizer.state_dict()
+        assert saved["saved_by"] == "post hook", name
+        optimizer.load_state_dict(saved)
+        assert [g["lr"] for g in optimizer.param_groups] == [0.5] * 4, name
+    assert calls["sharded"] == calls["plain"] == ["save pre", "load pre post hook", "load post"]
+    opt.close()
+
+
+def test_state_dict_lists_params_in_order_on_one_rank(single_rank_group) -> None:
+    """``state_dict()["state"]`` lists params in param order as torch does (it listed them in
+    bucket order, the reverse, where nothing was gathered: one rank or ``enable=False``)."""
+    model, reference = SurfaceNet(), SurfaceNet()
+    opt = ShardingStage1(torch.optim.AdamW(_groups(model)), model=model)
+    plain = torch.optim.AdamW(_groups(reference))
+    _stepped(opt, model)
+    _stepped(plain, reference)
+    assert list(opt.state_dict()["state"]) == list(plain.state_dict()["state"])
+    opt.close()
+
+
 @pytest.mark.parametrize(
     "group_flags, flags, torch_error",
     [
