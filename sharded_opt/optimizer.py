@@ -1037,7 +1037,9 @@ def _check_not_stepped(optimizer: torch.optim.Optimizer) -> None:
     if stepped:
         raise ValueError(
             f"ShardingStage1 expects an optimizer that has not stepped yet but it holds state for "
-            f"{len(stepped)} params, which would be lost; wrap the optimizer before training"
+            f"{len(stepped)} params, which would be lost; wrap the optimizer before training. To "
+            "resume from a checkpoint, load its optimizer state into the wrapper instead: "
+            "opt = ShardingStage1(optimizer, ...); opt.load_state_dict(checkpoint_state) (on every rank)"
         )
 
 

@@ -806,3 +806,17 @@ def test_settings_torch_refuses_at_the_first_step_are_refused_at_construction(
     with pytest.raises(ValueError, match=rf"Adam, configured as param {torch_error}"):
         ShardingStage1(torch.optim.Adam(groups, lr=1e-2, **flags), model=model)
     assert model.gate.untyped_storage().size() == model.gate.element_size()
+
+
+def test_state_loaded_before_wrapping_is_refused_naming_the_wrappers_load(single_rank_group) -> None:
+    """A resume script that loads the checkpoint into the torch optimizer and wraps it after:
+    the state would be dropped, so it is refused, naming the call that resumes."""
+    model, reference = SurfaceNet(), SurfaceNet()
+    plain = torch.optim.AdamW(_groups(reference))
+    _stepped(plain, reference)
+    optimizer = torch.optim.AdamW(_groups(model))
+    optimizer.load_state_dict(plain.state_dict())
+    with pytest.raises(
+        ValueError, match=r"has not stepped yet.*ShardingStage1\(optimizer, \.\.\.\); opt.load_state_dict"
+    ):
+        ShardingStage1(optimizer, model=model)
