@@ -508,8 +508,7 @@ class ShardingStage1(torch.optim.Optimizer):
         original = self._wrapped_optimizer()
         if original is not None:
             original._sharded_opt_wrapper = None
-            for method in ("add_param_group", *_WRAPPED_STATE_METHODS):
-                original.__dict__.pop(method, None)
+            original.__dict__.pop("add_param_group", None)
 
     def __enter__(self) -> ShardingStage1:
         return self
@@ -649,16 +648,11 @@ class ShardingStage1(torch.optim.Optimizer):
     def _mark_wrapped(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer`` refuse to be wrapped again while this wrapper lives, and to step
         until ``close()`` (stepping it is a mistake even after the wrapper was dropped: ranks
-        would diverge); likewise ``add_param_group``, ``state_dict`` and ``load_state_dict``,
-        which would act on its own, empty state."""
+        would diverge)."""
         optimizer._sharded_opt_wrapper = weakref.ref(self)
         self._step_refusal = optimizer.register_step_pre_hook(_refuse_wrapped_step)
         optimizer.add_param_group = functools.partial(_refuse_wrapped_add_param_group, type(optimizer))
         self._wrapped_optimizer = weakref.ref(optimizer)
-        for method in _WRAPPED_STATE_METHODS:
-            setattr(
-                optimizer, method, functools.partial(_refuse_wrapped_state_method, type(optimizer), method)
-            )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1043,6 +1037,11 @@ def _check_not_stepped(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def _replaced_by(hook_result: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """torch's hook protocol: a state-dict hook returns a new dict, or None to keep the old one."""
+    return state_dict if hook_result is None else hook_result
+
+
 def _release_hooks(comm: BucketCommunicator, *handle_lists: list[RemovableHandle]) -> None:
     """Finish the all-gathers still writing the params (a new wrapper may copy them next), then
     remove every hook."""
@@ -1055,24 +1054,6 @@ def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: 
     raise RuntimeError(
         f"this {type(optimizer).__name__} is wrapped by ShardingStage1; call the wrapper's step()"
     )
-
-
-_WRAPPED_STATE_METHODS = ("state_dict", "load_state_dict")
-"""Methods of the wrapped torch optimizer that would silently act on its own, empty state."""
-
-
-def _refuse_wrapped_state_method(optimizer_class: type, method: str, *args: Any, **kwargs: Any) -> None:
-    raise RuntimeError(
-        f"this {optimizer_class.__name__} is wrapped by ShardingStage1, which keeps its state in "
-        f"shards over the ranks; its own {method}() would see none of it (a checkpoint without "
-        f"optimizer state, or a load whose state is never stepped). Call the wrapper's "
-        f"opt.{method}(...) instead, on every rank (opt.state_dict(to_rank=0) gathers it on one)"
-    )
-
-
-def _replaced_by(hook_result: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """torch's hook protocol: a state-dict hook returns a new dict, or None to keep the old one."""
-    return state_dict if hook_result is None else hook_result
 
 
 _ADD_GROUPS_FIRST = (

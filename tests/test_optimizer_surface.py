@@ -717,26 +717,6 @@ def _stepped(opt: torch.optim.Optimizer, model: SurfaceNet) -> None:
     opt.step()
 
 
-def test_wrapped_torch_optimizer_refuses_its_own_state_dict(single_rank_group) -> None:
-    """Code that keeps both names and checkpoints the torch optimizer got its own state, which
-    the wrapper never fills (``state`` {}), and a load into it was never stepped: both silently
-    lost the optimizer state. They raise, naming the wrapper's methods, until ``close()``."""
-    model = SurfaceNet()
-    optimizer = torch.optim.AdamW(_groups(model), lr=1e-2)
-    opt = ShardingStage1(optimizer, model=model)
-    _stepped(opt, model)
-    with pytest.raises(
-        RuntimeError, match=r"AdamW is wrapped by ShardingStage1.*opt\.state_dict\(\.\.\.\) instead"
-    ):
-        optimizer.state_dict()
-    saved = opt.state_dict()
-    with pytest.raises(RuntimeError, match=r"its own load_state_dict\(\).*opt\.load_state_dict\(\.\.\.\)"):
-        optimizer.load_state_dict(saved)
-    opt.close()
-    optimizer.load_state_dict(saved)
-    assert sorted(optimizer.state_dict()["state"]) == sorted(saved["state"])
-
-
 def test_state_dict_hooks_run_as_in_torch(single_rank_group) -> None:
     """Hooks registered on the wrapper with ``register_state_dict_pre_hook`` and the three
     others run as on a torch optimizer, in the same order, and what post-hooks and load
