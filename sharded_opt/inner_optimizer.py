@@ -46,6 +46,41 @@ def build_inner_optimizer(
     return type(optimizer)(groups, **constructor_kwargs(optimizer))
 
 
+def check_steps(
+    optimizer: torch.optim.Optimizer, stepped: set[tuple[int, torch.dtype, torch.device]]
+) -> None:
+    """Raise at once if the optimizer's class, configured as a param group, cannot step a tensor
+    of the dtype and device the shards of that group will be stepped in (``stepped``: group
+    index, dtype, device), as the plain optimizer would at its first ``step()``.
+
+    Note [Refused at the first step]
+        Some settings are refused by torch only when ``step()`` runs: ``capturable=True`` on a
+        device it cannot capture on (CPU), ``differentiable=True`` over leaf params, ``fused``
+        on an unsupported dtype or device. Sharded, a rank raises only if its shard of a
+        bucket holds a piece of a param that got a grad, so on some ranks the step would raise
+        and on others go on into the all-gather, which then waits for ranks that never come.
+        So a throwaway optimizer of the same class and group settings steps a 2-element param
+        of each (group, dtype, device) at construction, the same on every rank. It steps
+        without torch's hook wrapper, so no global optimizer step hook fires for it.
+    """
+    for group_index, dtype, device in sorted(stepped, key=str):
+        probe = torch.zeros(2, dtype=dtype, device=device, requires_grad=True)
+        probe.grad = torch.zeros_like(probe)
+        hyper = hyperparameters(optimizer.param_groups[group_index])
+        try:
+            throwaway = type(optimizer)([{**hyper, "params": [probe]}], **constructor_kwargs(optimizer))
+            step = type(throwaway).step
+            (step.__wrapped__ if getattr(step, "hooked", False) else step)(throwaway)
+        except Exception as error:
+            torch_error = f"{type(error).__name__}: {str(error).rstrip('.')}"
+            raise ValueError(
+                f"ShardingStage1: the wrapped {type(optimizer).__name__}, configured as param group "
+                f"{group_index}, cannot step {dtype} params on {device}; plain torch would raise at the "
+                f"first step(): {torch_error}. Change the optimizer's settings (e.g. capturable=False "
+                "on CPU, differentiable=False over model params) and wrap it again"
+            ) from error
+
+
 def add_shard(inner: torch.optim.Optimizer, shard: LocalShard) -> None:
     """Let the inner optimizer step a shard that was materialized after it was built."""
     inner.param_groups[shard.bucket.group_index]["params"].extend(shard.inner_params)

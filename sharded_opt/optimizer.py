@@ -96,7 +96,7 @@ from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.grad_hooks import GradReadyTracker
 from sharded_opt.grad_presence import GradPresence, presence_group
 from sharded_opt.hybrid_groups import resolve_shard_groups
-from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, hyperparameters
+from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, check_steps, hyperparameters
 from sharded_opt.local_shard import resolve_precision
 from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter, register_eager_pre_hook
 from sharded_opt.state_view import ShardedStateView
@@ -154,7 +154,9 @@ class ShardingStage1(torch.optim.Optimizer):
         ValueError: no trainable params, duplicate or sparse params, a ``model`` module that
             makes sparse grads (``nn.Embedding(sparse=True)``) or renormalizes its weight in
             forward (``nn.Embedding(max_norm=...)``), params on several devices,
-            ranks with different params, an optimizer that already stepped or is already wrapped;
+            ranks with different params, an optimizer that already stepped or is already wrapped,
+            settings torch refuses only at the first step (``capturable=True`` on CPU, see Note
+            [Refused at the first step] in ``inner_optimizer``);
             a ``degree`` that does not divide the world size, a ``device_mesh`` that is not 2-D or
             comes with ``process_group`` or ``degree``.
         RuntimeError: no initialized process group.
@@ -203,12 +205,20 @@ class ShardingStage1(torch.optim.Optimizer):
             bucket_size_bytes=bucket_sizes.bucket_bytes,
             first_bucket_bytes=bucket_sizes.first_bucket_bytes,
         )
-        self._buffers = FlatBuffers(self.plan, params)
-        self._broadcast_from_first_rank()
         precisions = [
             resolve_precision(bucket.dtype, config.reduce_dtype, config.master_dtype)
             for bucket in self.plan.buckets
         ]
+        if type(optimizer) in ELEMENTWISE_OPTIMIZERS:  # Note [Refused at the first step]
+            check_steps(
+                optimizer,
+                {
+                    (b.group_index, p.master_dtype, b.device)
+                    for b, p in zip(self.plan.buckets, precisions, strict=True)
+                },
+            )
+        self._buffers = FlatBuffers(self.plan, params)
+        self._broadcast_from_first_rank()
         if sharded:
             self._comm = BucketCommunicator(
                 self._buffers,
@@ -576,6 +586,9 @@ class ShardingStage1(torch.optim.Optimizer):
         Args:
             to_rank: materialize the full state on this rank of the group only; the other ranks
                 return None. Default: every rank gets it.
+
+        Hooks registered with ``register_state_dict_pre_hook``/``..._post_hook`` run around it,
+        as in torch; post-hooks only on the ranks that get the state dict.
         """
         if to_rank is not None and not 0 <= to_rank < self.world_size:
             raise ValueError(
@@ -585,14 +598,21 @@ class ShardingStage1(torch.optim.Optimizer):
         self._check_all_ranks_enter(
             "state_dict", "Call opt.state_dict(to_rank=0) on every rank (the others get None)"
         )
-        return state_dict_conversion.gather_state_dict(self, to_rank)
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = state_dict_conversion.gather_state_dict(self, to_rank)
+        if state is not None:
+            for post_hook in self._optimizer_state_dict_post_hooks.values():
+                state = _replaced_by(post_hook(self, state), state)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a standard ``torch.optim`` state dict (from a plain optimizer or from
         :meth:`state_dict`, saved on any number of ranks).
 
         Everything is validated before anything changes: on error the optimizer is exactly as
-        it was.
+        it was. Hooks registered with ``register_load_state_dict_pre_hook``/``..._post_hook``
+        run around it, as in torch.
 
         Raises:
             ValueError: wrong structure, number of groups or params, state keys of another
@@ -600,7 +620,12 @@ class ShardingStage1(torch.optim.Optimizer):
         """
         self.sync_params()
         self._check_all_ranks_enter("load_state_dict", "Call opt.load_state_dict(sd) on every rank")
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = _replaced_by(pre_hook(self, state_dict), state_dict)
         state_dict_conversion.load_state_dict(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -1033,8 +1058,15 @@ def _check_not_stepped(optimizer: torch.optim.Optimizer) -> None:
     if stepped:
         raise ValueError(
             f"ShardingStage1 expects an optimizer that has not stepped yet but it holds state for "
-            f"{len(stepped)} params, which would be lost; wrap the optimizer before training"
+            f"{len(stepped)} params, which would be lost; wrap the optimizer before training. To "
+            "resume from a checkpoint, load its optimizer state into the wrapper instead: "
+            "opt = ShardingStage1(optimizer, ...); opt.load_state_dict(checkpoint_state) (on every rank)"
         )
+
+
+def _replaced_by(hook_result: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """torch's hook protocol: a state-dict hook returns a new dict, or None to keep the old one."""
+    return state_dict if hook_result is None else hook_result
 
 
 def _release_hooks(comm: BucketCommunicator, *handle_lists: list[RemovableHandle]) -> None:

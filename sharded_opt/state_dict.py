@@ -76,7 +76,7 @@ def describe_param_states(
             for key, value in state.items()
         }
     if not optimizer._comm.sharded:
-        return own
+        return dict(sorted(own.items()))  # param order, as torch's state_dict lists them
     everyone: list[Any] = [None] * optimizer.world_size
     dist.all_gather_object(everyone, own, group=optimizer.process_group)
     merged: dict[int, dict[str, Any]] = {}

@@ -46,6 +46,7 @@ OPTIMIZERS = {
     "radam": lambda params: torch.optim.RAdam(params, lr=1e-2, weight_decay=0.01),
     "adamax": lambda params: torch.optim.Adamax(params, lr=1e-2),
     "asgd": lambda params: torch.optim.ASGD(params, lr=1e-2, t0=2),
+    "adamw_fused": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True),
 }
 
 
