@@ -69,8 +69,7 @@ def check_steps(
         hyper = hyperparameters(optimizer.param_groups[group_index])
         try:
             throwaway = type(optimizer)([{**hyper, "params": [probe]}], **constructor_kwargs(optimizer))
-            step = type(throwaway).step
-            (step.__wrapped__ if getattr(step, "hooked", False) else step)(throwaway)
+            step_without_hooks(throwaway, {})
         except Exception as error:
             torch_error = f"{type(error).__name__}: {str(error).rstrip('.')}"
             raise ValueError(
@@ -79,6 +78,16 @@ def check_steps(
                 f"first step(): {torch_error}. Change the optimizer's settings (e.g. capturable=False "
                 "on CPU, differentiable=False over model params) and wrap it again"
             ) from error
+
+
+def step_without_hooks(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
+    """``optimizer.step(**kwargs)`` without the pre/post-hook wrapper torch puts around every
+    optimizer class's ``step`` (Note [Step hooks] in ``optimizer``); the profiler range stays."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    with torch.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
+        step(optimizer, **kwargs)
 
 
 def add_shard(inner: torch.optim.Optimizer, shard: LocalShard) -> None:

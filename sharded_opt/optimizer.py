@@ -96,7 +96,13 @@ from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.grad_hooks import GradReadyTracker
 from sharded_opt.grad_presence import GradPresence, presence_group
 from sharded_opt.hybrid_groups import resolve_shard_groups
-from sharded_opt.inner_optimizer import add_shard, build_inner_optimizer, check_steps, hyperparameters
+from sharded_opt.inner_optimizer import (
+    add_shard,
+    build_inner_optimizer,
+    check_steps,
+    hyperparameters,
+    step_without_hooks,
+)
 from sharded_opt.local_shard import resolve_precision
 from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter, register_eager_pre_hook
 from sharded_opt.state_view import ShardedStateView
@@ -1013,7 +1019,7 @@ class ShardingStage1(torch.optim.Optimizer):
         try:
             for group, params in zip(inner_groups, params_per_group, strict=True):
                 group["params"] = params
-            _step_without_hooks(self._inner, kwargs)
+            step_without_hooks(self._inner, kwargs)
         finally:
             for group, params in zip(inner_groups, full, strict=True):
                 group["params"] = params
@@ -1112,16 +1118,6 @@ def _run_wrapped_post_hooks(wrapper: ShardingStage1, args: tuple, kwargs: dict) 
     original = wrapper._wrapped
     for hook in _user_hooks(original._optimizer_step_post_hooks):
         hook(original, (original, *args[1:]), kwargs)
-
-
-def _step_without_hooks(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
-    """``optimizer.step(**kwargs)`` without the pre/post-hook wrapper torch puts around every
-    optimizer class's ``step`` (Note [Step hooks]); the profiler range stays."""
-    step = type(optimizer).step
-    if getattr(step, "hooked", False):
-        step = step.__wrapped__
-    with torch.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
-        step(optimizer, **kwargs)
 
 
 def _refuse_wrapped_state_dict(optimizer: torch.optim.Optimizer) -> None:
