@@ -53,6 +53,19 @@ Note [Params replaced after wrapping]
     grad of the old shape (in torch it would be None after ``zero_grad()``), and the old
     wrapper's check passes over params a newer layout took (``FlatBuffers.owns``).
 
+Note [A step without backward]
+    torch's ``step()`` reads ``param.grad``, and after a step those are the grads it stepped
+    with, averaged (by DDP), clipped, unscaled: a second ``step()`` with no backward in between
+    (an SAM-like loop, a retried step, a skipped iteration without ``zero_grad()``) steps again
+    with exactly them. Here ``param.grad`` holds the local grads and the averaged shard the
+    optimizer stepped sits in the shard's own tensors; reducing the local grads again would
+    drop a clip or an unscaling done on the shard (and on some world sizes round the mean anew).
+    So ``step()`` records the grad buffers' versions and which params' grads are the buffers'
+    views, and the next reduction (``step()``, ``clip_grad_norm_``, ``clip_grad_value_``, the
+    scaler's) reuses the shard's grads when nothing changed since: no backward accumulated
+    (it bumps the buffer's version), no ``zero_grad`` ran, no grad was assigned or set to None.
+    Only the presence flags are shared again, so params without a grad stay unstepped.
+
 Note [Step hooks]
     Hooks registered with ``register_step_pre_hook``/``register_step_post_hook`` on the wrapped
     torch optimizer (an EMA update, a logger, a library's bookkeeping), before or after
@@ -254,6 +267,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._param_waiter: ParamReadyWaiter | None = None
         self._param_names: dict[int, str] = {}
         self._grads_reduced = False
+        self._grads_at_step: tuple[list[int | None], list[bool]] | None = None
         self._num_params_per_group = [len(g["params"]) for g in optimizer.param_groups]
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
         self.state = ShardedStateView()  # type: ignore[assignment]  # Note [No per-param state]
@@ -304,6 +318,7 @@ class ShardingStage1(torch.optim.Optimizer):
         else:
             self._param_waiter.gathers_started(self._comm.pending_param_buckets())
         self._start_iteration()
+        self._grads_at_step = self._grads_snapshot()
         # A scheduler built on the wrapped optimizer checks that its step ran before its own.
         self._wrapped._opt_called = True
         return loss
@@ -318,6 +333,7 @@ class ShardingStage1(torch.optim.Optimizer):
         """
         self._comm.finish_grad_sync()
         self._buffers.zero_grad()
+        self._grads_at_step = None
         if set_to_none:
             self._grad_tracker.clear_received()
         self._start_iteration()
@@ -793,6 +809,13 @@ class ShardingStage1(torch.optim.Optimizer):
         self._check_grads_not_written()
         if self._grads_reduced:
             return
+        if self._grads_unchanged_since_step():
+            # Note [A step without backward]: step again with the grads the last step used.
+            self._start_unlaunched_presence()
+            self._zero_absent_grads()
+            self._grads_reduced = True
+            return
+        self._grads_at_step = None
         self._check_backward_finished()
         if self.overlap:
             if self._grad_tracker.accumulate_only:
@@ -809,6 +832,24 @@ class ShardingStage1(torch.optim.Optimizer):
                     self._start_bucket_sync(bucket.index)
             self._start_unlaunched_presence()
         self._check_grads_not_dropped()
+
+    def _grads_snapshot(self) -> tuple[list[int | None], list[bool]]:
+        """What tells whether grads changed since: the grad buffers' versions and which params'
+        grads are their buffer views; see Note [A step without backward]."""
+        return self._grad_versions(), self._grads_are_views()
+
+    def _grad_versions(self) -> list[int | None]:
+        return [None if buffer is None else buffer._version for buffer in self._buffers.grad_buffers]
+
+    def _grads_are_views(self) -> list[bool]:
+        views = self._buffers.grad_views
+        return [param.grad is views[index] for index, param in enumerate(self._buffers.params)]
+
+    def _grads_unchanged_since_step(self) -> bool:
+        if self._grads_at_step is None:
+            return False
+        versions, are_views = self._grads_at_step
+        return versions == self._grad_versions() and are_views == self._grads_are_views()
 
     def _reduce_grads(self) -> None:
         """Reduce every bucket's grads now (clipping and the scaler need all of them)."""
