@@ -76,9 +76,11 @@ Note [Step hooks]
     torch's global ones fire as for any optimizer. The inner optimizer's per-bucket steps are
     an implementation detail: they run its class's step without torch's hook wrapper, so a
     global hook (``register_optimizer_step_post_hook``) fires once per ``step()``, never once
-    per bucket with the inner optimizer. Like torch's optimizers that take a scaler's
-    ``found_inf`` (fused Adam), the wrapper's step, and so every hook, runs also when
-    ``ShardedGradScaler`` skips the update.
+    per bucket with the inner optimizer. When ``ShardedGradScaler`` skips the update, the
+    wrapper's step (and its own hooks) still runs, as a fused optimizer's does; the wrapped
+    optimizer's hooks fire then only if its class takes ``found_inf`` itself (fused Adam):
+    for any other class ``GradScaler.step`` would not have called its ``step`` at all, and an
+    EMA hook would average in a step that never happened.
 """
 
 from __future__ import annotations
@@ -1100,7 +1102,7 @@ def _run_wrapped_pre_hooks(wrapper: ShardingStage1, args: tuple, kwargs: dict) -
     """The wrapped optimizer's step pre-hooks, see Note [Step hooks]."""
     original = wrapper._wrapped
     hooks = _user_hooks(original._optimizer_step_pre_hooks)
-    if not hooks:
+    if not hooks or _scaler_skips_wrapped_step(wrapper):
         return None
     original_args = (original, *args[1:])
     for hook in hooks:
@@ -1119,8 +1121,21 @@ def _run_wrapped_pre_hooks(wrapper: ShardingStage1, args: tuple, kwargs: dict) -
 def _run_wrapped_post_hooks(wrapper: ShardingStage1, args: tuple, kwargs: dict) -> None:
     """The wrapped optimizer's step post-hooks, see Note [Step hooks]."""
     original = wrapper._wrapped
+    if _scaler_skips_wrapped_step(wrapper):
+        return
     for hook in _user_hooks(original._optimizer_step_post_hooks):
         hook(original, (original, *args[1:]), kwargs)
+
+
+def _scaler_skips_wrapped_step(wrapper: ShardingStage1) -> bool:
+    """Whether plain torch would not call the wrapped optimizer's ``step`` at all: a
+    ``ShardedGradScaler`` found an inf (the agreed flag it set on the wrapper, as ``GradScaler``
+    does) and the wrapped class does not take ``found_inf`` itself, so ``GradScaler.step`` would
+    skip it, hooks included. See Note [Step hooks]."""
+    found_inf = getattr(wrapper, "found_inf", None)
+    if found_inf is None or not getattr(wrapper, "_scaled_by_sharded_scaler", False):
+        return False
+    return not getattr(wrapper._wrapped, "_step_supports_amp_scaling", False) and float(found_inf) > 0
 
 
 def _step_without_hooks(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:

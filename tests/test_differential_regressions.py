@@ -68,6 +68,12 @@ CASES: dict[str, Program] = {
     "scaler_step_without_any_grad": Program(
         optimizer="adam", steps=(StepSpec(), StepSpec(skip_backward=True), StepSpec()), scaler=True
     ),
+    # Found: an EMA step post-hook on the torch optimizer with a scaler that skips an overflowed
+    # step. GradScaler.step never calls a non-fused optimizer's step then, so its hooks do not
+    # fire; the wrapper fired them (EMA of the scale param off by 7.5e-4 after 5 steps).
+    "ema_hook_skipped_with_overflow": Program(
+        optimizer="sgd", steps=(StepSpec(), StepSpec(overflow=True), StepSpec()), scaler=True, ema=True
+    ),
     "auto_bucket_size": Program(
         optimizer="radam", steps=(StepSpec(), StepSpec(clip=5.0)), bucket_size_mb=None
     ),
