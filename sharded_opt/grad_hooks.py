@@ -189,6 +189,12 @@ class GradReadyTracker:
         """Grads were set to none: no param has one now."""
         self.received = bytearray(len(self._buffers.params))
 
+    def forget_none_grads(self) -> None:
+        """Params whose grad is None now have none, whatever they received before."""
+        for index, param in enumerate(self._buffers.params):
+            if param.grad is None:
+                self.received[index] = 0
+
     @property
     def backward_unfinished(self) -> bool:
         """A backward counted grads but never reached its end (it raised midway)."""

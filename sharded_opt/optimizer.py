@@ -334,6 +334,10 @@ class ShardingStage1(torch.optim.Optimizer):
         reaches before the next ``step()`` is not stepped.
         """
         self._comm.finish_grad_sync()
+        if not set_to_none:
+            # torch's zero_grad(set_to_none=False) leaves a None grad None (a layer whose grads
+            # model.zero_grad() dropped): it stays without a grad, though its view is zeroed too.
+            self._grad_tracker.forget_none_grads()
         self._buffers.zero_grad()
         self._grads_at_step = None
         if set_to_none:

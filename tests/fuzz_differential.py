@@ -68,15 +68,18 @@ def hybrid_programs(world_size: int) -> st.SearchStrategy:
     return drawn()
 
 
-def check_programs(batch: list[Program], deadline: float) -> list[tuple[int, bool, str]]:
+def check_programs(batch: list[Program], deadline: float) -> tuple[int, list[tuple[int, bool, str]]]:
     """On each rank: run every program sync and overlap until ``deadline`` (seconds since the
-    epoch); returns (program index, overlap, message) for each run that failed on this rank."""
+    epoch); returns how many programs ran and (program index, overlap, message) for each run
+    that failed on this rank."""
     failures = []
+    ran = 0
     for index, program in enumerate(batch):
         stop = [time.time() > deadline]
         dist.broadcast_object_list(stop, src=0)
         if stop[0]:
             break
+        ran += 1
         for overlap in (False, True):
             try:
                 result = run_program(dataclasses.replace(program, overlap=overlap))
@@ -84,27 +87,29 @@ def check_programs(batch: list[Program], deadline: float) -> list[tuple[int, boo
             except Exception:  # noqa: BLE001 - reported with the program, the campaign goes on
                 failures.append((index, overlap, traceback.format_exc(limit=-6)))
         dist.barrier()
-    return failures
+    return ran, failures
 
 
 def fuzz(world_size: int, count: int, seed: int, time_limit_s: float) -> tuple[list[Failure], int]:
-    """Draw ``count`` programs for ``world_size`` and check them all; returns the failures and
-    how many programs were drawn."""
+    """Draw ``count`` programs for ``world_size`` and check them until the time limit; returns
+    the failures and how many programs ran."""
     batch = draw_programs(count, seed=seed + world_size, strategy=hybrid_programs(world_size))
-    return run_batch(world_size, batch, time_limit_s), len(batch)
+    return run_batch(world_size, batch, time_limit_s)
 
 
-def run_batch(world_size: int, batch: list[Program], time_limit_s: float) -> list[Failure]:
+def run_batch(world_size: int, batch: list[Program], time_limit_s: float) -> tuple[list[Failure], int]:
+    """Check ``batch`` in one spawn; returns the failures and how many programs ran (0 when the
+    spawn itself failed)."""
     deadline = time.time() + time_limit_s
     try:
         per_rank = run_ranks(check_programs, world_size, batch, deadline, timeout_s=FUZZ_COLLECTIVE_TIMEOUT_S)
     except Exception as error:  # noqa: BLE001 - a rank died or hung: report it, go on
-        return [Failure(world_size, -1, None, None, f"spawn failed: {error}")]
+        return [Failure(world_size, -1, None, None, f"spawn failed: {error}")], 0
     seen: dict[tuple[int, bool], Failure] = {}
-    for results in per_rank:
+    for _, results in per_rank:
         for index, overlap, message in results:
             seen.setdefault((index, overlap), Failure(world_size, index, overlap, batch[index], message))
-    return sorted(seen.values(), key=lambda f: (f.index, f.overlap))
+    return sorted(seen.values(), key=lambda f: (f.index, f.overlap)), per_rank[0][0]
 
 
 def simpler(program: Program) -> list[Program]:
@@ -139,9 +144,8 @@ def shrink(world_size: int, program: Program, time_limit_s: float) -> Program:
     end = time.time() + time_limit_s
     while time.time() < end:
         candidates = simpler(program)
-        failing = {
-            f.index for f in run_batch(world_size, candidates, end - time.time()) if f.program is not None
-        }
+        found, _ = run_batch(world_size, candidates, end - time.time())
+        failing = {f.index for f in found if f.program is not None}
         if not failing:
             return program
         program = candidates[min(failing)]
@@ -172,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
             print(repr(shrink(world_size, replay(args.replay), end - time.time())))
             continue
         if args.replay:
-            found, drawn = run_batch(world_size, [replay(args.replay)], end - time.time()), 1
+            found, ran = run_batch(world_size, [replay(args.replay)], end - time.time())
         else:
-            found, drawn = fuzz(world_size, args.programs, args.seed, end - time.time())
+            found, ran = fuzz(world_size, args.programs, args.seed, end - time.time())
         failures += found
         print(
-            f"world size {world_size}: {drawn} programs, {len(found)} failing runs, "
+            f"world size {world_size}: {ran} programs ran, {len(found)} failing runs, "
             f"{time.time() - started:.0f} s",
             flush=True,
         )
