@@ -17,6 +17,14 @@ Note [Which params got a grad]
     adopted (its bucket then waits for the end of backward). A frozen param is simply no longer
     expected.
 
+Note [Frozen after backward]
+    torch steps every param whose ``.grad`` is not None, whatever its ``requires_grad``: a layer
+    frozen between backward and ``step()`` (a callback that freezes on a schedule, a GAN loop
+    that freezes D right after its backward) is still stepped with the grad it holds, and so is
+    one frozen later whose grads were never set to None. So a bucket whose params all stopped
+    requiring grad still takes part in the reduction while one of them holds a received grad;
+    otherwise its shard would step with the grads of whichever iteration last reduced it.
+
 Note [Grads written after backward]
     ``param.grad`` holds this rank's local grad, and in overlap mode a bucket's reduction reads
     it while backward is still running. A write to grads after backward reached them (torch's
@@ -181,6 +189,12 @@ class GradReadyTracker:
         """Grads were set to none: no param has one now."""
         self.received = bytearray(len(self._buffers.params))
 
+    def forget_none_grads(self) -> None:
+        """Params whose grad is None now have none, whatever they received before."""
+        for index, param in enumerate(self._buffers.params):
+            if param.grad is None:
+                self.received[index] = 0
+
     @property
     def backward_unfinished(self) -> bool:
         """A backward counted grads but never reached its end (it raised midway)."""
@@ -219,8 +233,16 @@ class GradReadyTracker:
             self.received[index] = 1
 
     def takes_part(self, bucket_index: int) -> bool:
-        """Whether the bucket has a param that requires grad (as of the last scan)."""
-        return self._expected[bucket_index] > 0
+        """Whether the bucket has a param that requires grad (as of the last scan) or one that
+        holds a grad although frozen since, see Note [Frozen after backward]."""
+        return self._expected[bucket_index] > 0 or self._holds_frozen_grad(bucket_index)
+
+    def _holds_frozen_grad(self, bucket_index: int) -> bool:
+        params, received = self._buffers.params, self.received
+        return any(
+            received[slot.param_index] and params[slot.param_index].grad is not None
+            for slot in self._buckets[bucket_index].slots
+        )
 
     def remove_hooks(self) -> None:
         remove_handles(self.handles)

@@ -51,6 +51,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         _refuse_fp16_steps(optimizer)
         optimizer._reduce_grads()
+        if not _any_param_has_grad(optimizer):
+            # No param has a grad on any rank (a step with no backward since opt.zero_grad()):
+            # no flag at all, so GradScaler.step raises on every rank as it does in torch.
+            return {}
         per_device = super()._unscale_grads_(optimizer._inner, inv_scale, found_inf, allow_fp16)
         optimizer._grad_tracker.accept_grad_writes()
         # The stock method has a flag only for devices where this rank's shard has grads, and a
@@ -63,6 +67,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
             # Replicas hold equal shards (hybrid sharding): the shard group sees every element.
             dist.all_reduce(per_device[device], op=dist.ReduceOp.MAX, group=optimizer._comm.group)
         return per_device
+
+
+def _any_param_has_grad(optimizer: ShardingStage1) -> bool:
+    """Whether some param got a grad on some rank (the agreed presence flags: alike everywhere)."""
+    return any(optimizer._presence.params_with_grads(bucket.index) for bucket in optimizer.plan.buckets)
 
 
 def _refuse_fp16_steps(optimizer: ShardingStage1) -> None:

@@ -53,6 +53,19 @@ Note [Params replaced after wrapping]
     grad of the old shape (in torch it would be None after ``zero_grad()``), and the old
     wrapper's check passes over params a newer layout took (``FlatBuffers.owns``).
 
+Note [A step without backward]
+    torch's ``step()`` reads ``param.grad``, and after a step those are the grads it stepped
+    with, averaged (by DDP), clipped, unscaled: a second ``step()`` with no backward in between
+    (an SAM-like loop, a retried step, a skipped iteration without ``zero_grad()``) steps again
+    with exactly them. Here ``param.grad`` holds the local grads and the averaged shard the
+    optimizer stepped sits in the shard's own tensors; reducing the local grads again would
+    drop a clip or an unscaling done on the shard (and on some world sizes round the mean anew).
+    So ``step()`` records the grad buffers' versions and which params' grads are the buffers'
+    views, and the next reduction (``step()``, ``clip_grad_norm_``, ``clip_grad_value_``, the
+    scaler's) reuses the shard's grads when nothing changed since: no backward accumulated
+    (it bumps the buffer's version), no ``zero_grad`` ran, no grad was assigned or set to None.
+    Only the presence flags are shared again, so params without a grad stay unstepped.
+
 Note [Step hooks]
     Hooks registered with ``register_step_pre_hook``/``register_step_post_hook`` on the wrapped
     torch optimizer (an EMA update, a logger, a library's bookkeeping), before or after
@@ -63,9 +76,11 @@ Note [Step hooks]
     torch's global ones fire as for any optimizer. The inner optimizer's per-bucket steps are
     an implementation detail: they run its class's step without torch's hook wrapper, so a
     global hook (``register_optimizer_step_post_hook``) fires once per ``step()``, never once
-    per bucket with the inner optimizer. Like torch's optimizers that take a scaler's
-    ``found_inf`` (fused Adam), the wrapper's step, and so every hook, runs also when
-    ``ShardedGradScaler`` skips the update.
+    per bucket with the inner optimizer. When ``ShardedGradScaler`` skips the update, the
+    wrapper's step (and its own hooks) still runs, as a fused optimizer's does; the wrapped
+    optimizer's hooks fire then only if its class takes ``found_inf`` itself (fused Adam):
+    for any other class ``GradScaler.step`` would not have called its ``step`` at all, and an
+    EMA hook would average in a step that never happened.
 """
 
 from __future__ import annotations
@@ -270,6 +285,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._param_waiter: ParamReadyWaiter | None = None
         self._param_names: dict[int, str] = {}
         self._grads_reduced = False
+        self._grads_at_step: tuple[list[int | None], list[bool]] | None = None
         self._num_params_per_group = [len(g["params"]) for g in optimizer.param_groups]
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
         self.state = ShardedStateView()  # type: ignore[assignment]  # Note [No per-param state]
@@ -320,6 +336,7 @@ class ShardingStage1(torch.optim.Optimizer):
         else:
             self._param_waiter.gathers_started(self._comm.pending_param_buckets())
         self._start_iteration()
+        self._grads_at_step = self._grads_snapshot()
         # A scheduler built on the wrapped optimizer checks that its step ran before its own.
         self._wrapped._opt_called = True
         return loss
@@ -333,7 +350,12 @@ class ShardingStage1(torch.optim.Optimizer):
         reaches before the next ``step()`` is not stepped.
         """
         self._comm.finish_grad_sync()
+        if not set_to_none:
+            # torch's zero_grad(set_to_none=False) leaves a None grad None (a layer whose grads
+            # model.zero_grad() dropped): it stays without a grad, though its view is zeroed too.
+            self._grad_tracker.forget_none_grads()
         self._buffers.zero_grad()
+        self._grads_at_step = None
         if set_to_none:
             self._grad_tracker.clear_received()
         self._start_iteration()
@@ -824,6 +846,13 @@ class ShardingStage1(torch.optim.Optimizer):
         self._check_grads_not_written()
         if self._grads_reduced:
             return
+        if self._grads_unchanged_since_step():
+            # Note [A step without backward]: step again with the grads the last step used.
+            self._start_unlaunched_presence()
+            self._zero_absent_grads()
+            self._grads_reduced = True
+            return
+        self._grads_at_step = None
         self._check_backward_finished()
         if self.overlap:
             if self._grad_tracker.accumulate_only:
@@ -840,6 +869,24 @@ class ShardingStage1(torch.optim.Optimizer):
                     self._start_bucket_sync(bucket.index)
             self._start_unlaunched_presence()
         self._check_grads_not_dropped()
+
+    def _grads_snapshot(self) -> tuple[list[int | None], list[bool]]:
+        """What tells whether grads changed since: the grad buffers' versions and which params'
+        grads are their buffer views; see Note [A step without backward]."""
+        return self._grad_versions(), self._grads_are_views()
+
+    def _grad_versions(self) -> list[int | None]:
+        return [None if buffer is None else buffer._version for buffer in self._buffers.grad_buffers]
+
+    def _grads_are_views(self) -> list[bool]:
+        views = self._buffers.grad_views
+        return [param.grad is views[index] for index, param in enumerate(self._buffers.params)]
+
+    def _grads_unchanged_since_step(self) -> bool:
+        if self._grads_at_step is None:
+            return False
+        versions, are_views = self._grads_at_step
+        return versions == self._grad_versions() and are_views == self._grads_are_views()
 
     def _reduce_grads(self) -> None:
         """Reduce every bucket's grads now (clipping and the scaler need all of them)."""
@@ -1097,7 +1144,7 @@ def _run_wrapped_pre_hooks(wrapper: ShardingStage1, args: tuple, kwargs: dict) -
     """The wrapped optimizer's step pre-hooks, see Note [Step hooks]."""
     original = wrapper._wrapped
     hooks = _user_hooks(original._optimizer_step_pre_hooks)
-    if not hooks:
+    if not hooks or _scaler_skips_wrapped_step(wrapper):
         return None
     original_args = (original, *args[1:])
     for hook in hooks:
@@ -1116,8 +1163,21 @@ def _run_wrapped_pre_hooks(wrapper: ShardingStage1, args: tuple, kwargs: dict) -
 def _run_wrapped_post_hooks(wrapper: ShardingStage1, args: tuple, kwargs: dict) -> None:
     """The wrapped optimizer's step post-hooks, see Note [Step hooks]."""
     original = wrapper._wrapped
+    if _scaler_skips_wrapped_step(wrapper):
+        return
     for hook in _user_hooks(original._optimizer_step_post_hooks):
         hook(original, (original, *args[1:]), kwargs)
+
+
+def _scaler_skips_wrapped_step(wrapper: ShardingStage1) -> bool:
+    """Whether plain torch would not call the wrapped optimizer's ``step`` at all: a
+    ``ShardedGradScaler`` found an inf (the agreed flag it set on the wrapper, as ``GradScaler``
+    does) and the wrapped class does not take ``found_inf`` itself, so ``GradScaler.step`` would
+    skip it, hooks included. See Note [Step hooks]."""
+    found_inf = getattr(wrapper, "found_inf", None)
+    if found_inf is None or not getattr(wrapper, "_scaled_by_sharded_scaler", False):
+        return False
+    return not getattr(wrapper._wrapped, "_step_supports_amp_scaling", False) and float(found_inf) > 0
 
 
 def _refuse_wrapped_state_dict(optimizer: torch.optim.Optimizer) -> None:

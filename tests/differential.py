@@ -6,9 +6,14 @@ are frozen, which ranks use an optional "expert" branch, how many micro-batches 
 (``no_sync``), whether grads are clipped, whether the loss overflows on one rank (with a
 ``GradScaler``), whether the learning rates are changed by hand, how grads are zeroed (to None or
 to zeros), whether the model is evaluated and a weight clamped in place right after ``step()``,
-and whether the optimizer state is swapped with the plain run's through ``state_dict()``. The
-optimizer gets one param group, or two in the Hugging Face way (no weight decay for biases and
-scalars, at half the learning rate).
+whether the optimizer state is swapped with the plain run's through ``state_dict()``, whether
+``step()`` runs twice, whether a step comes without any backward, and which layers are frozen
+between backward and step. The optimizer gets one param group, or two in the Hugging Face way
+(no weight decay for biases and scalars, at half the learning rate); it may also hold a learnable
+loss weight the model does not, and carry a step post-hook that keeps an EMA of the params.
+
+A step that raises in plain torch must raise in the sharded run too (and the other way round):
+the first step that raises in either run ends the program, and both runs' errors are returned.
 
 Every rank runs the program twice: sharded on its slice of each batch, and as the plain torch
 reference on the whole batch in the same process (so state dicts can cross between the two).
@@ -59,8 +64,8 @@ class StepSpec:
     micro_batches: int = 1
     zero_grad: str = "optimizer"
     """"optimizer" (``opt.zero_grad()``), "optimizer_keep" (``opt.zero_grad(set_to_none=False)``:
-    zeros stay grads, so params they belong to are stepped), "model" (``model.zero_grad()``) or
-    "none"."""
+    zeros stay grads, so params they belong to are stepped), "model" (``model.zero_grad()``),
+    "submodule" (``model.body.zero_grad()``: the other layers keep accumulating) or "none"."""
     clip: float | None = None
     """Before the step, clip the averaged grads to this global L2 norm (the wrapper's
     ``clip_grad_norm_``; ``torch.nn.utils.clip_grad_norm_`` in the plain run)."""
@@ -78,6 +83,15 @@ class StepSpec:
     swap_state: bool = False
     """After the step, load the plain optimizer's state dict into the wrapper and the wrapper's
     into the plain optimizer."""
+    skip_backward: bool = False
+    """No forward or backward this step: ``step()`` sees whatever grads the last zeroing left
+    (none, zeros, or last step's grads stepped again)."""
+    freeze_before_step: tuple[str, ...] = ()
+    """Layers set to ``requires_grad=False`` after backward, before the step: torch still steps
+    them, their grads are there. The next step's ``frozen`` decides again."""
+    step_twice: bool = False
+    """A second ``optimizer.step()`` right after the first, no backward between: torch steps
+    again with the same grads. Never with ``Program.scaler`` (the scaler steps once per update)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +101,8 @@ class Program:
     frozen_at_wrap: tuple[str, ...] = ()
     scheduler: str | None = None
     scheduler_before_wrap: bool = False
-    bucket_size_mb: float = 0.0005
+    bucket_size_mb: float | None = 0.0005
+    """None: the wrapper sizes buckets itself."""
     bf16_master: bool = False
     overlap: bool = False
     attach_model: bool = True
@@ -105,6 +120,17 @@ class Program:
     """Hybrid sharding: ranks per shard group (None: shard over every rank)."""
     device_mesh: bool = False
     """Give the hybrid layout as a 2-D DeviceMesh instead of ``degree``."""
+    outside_weight: bool = False
+    """A learnable scalar loss weight the optimizer holds (last in its last group) but the
+    model does not: the inputs are multiplied by it before the model's forward and the output
+    after, so it is read around the forward without any module hook waiting for it."""
+    ema: bool = False
+    """A step post-hook registered on the torch optimizer before wrapping keeps an EMA of every
+    param (the outside weight included); the EMAs are compared too. Never with ``bf16_master``,
+    where the plain run's hook would see its fp32 masters before the bf16 params are copied."""
+
+
+EMA_DECAY = 0.75
 
 
 class ExpertModel(nn.Module):
@@ -135,6 +161,41 @@ def make_model(program: Program) -> ExpertModel:
     model = ExpertModel(program.reuse_body, program.extra_shapes)
     bf16 = program.bf16_master
     return model.to(torch.bfloat16) if bf16 else model
+
+
+def make_outside_weight(program: Program) -> list[nn.Parameter]:
+    """The program's params outside the model (none, or the learnable loss weight)."""
+    if not program.outside_weight:
+        return []
+    dtype = torch.bfloat16 if program.bf16_master else torch.float32
+    return [nn.Parameter(torch.tensor(0.9, dtype=dtype))]
+
+
+def add_ema_hook(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Register the EMA post-hook of ``Program.ema`` on ``optimizer``; returns the EMAs, which
+    the hook updates in place after every step."""
+    emas = [p.detach().clone() for p in params]
+
+    def update(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        with torch.no_grad():
+            for ema, param in zip(emas, params, strict=True):
+                ema.mul_(EMA_DECAY).add_(param, alpha=1 - EMA_DECAY)
+
+    optimizer.register_step_post_hook(update)
+    return emas
+
+
+def zero_layer_grads(model: ExpertModel, spec: StepSpec) -> None:
+    """What ``spec.zero_grad`` asks of the model itself ("model" and "submodule")."""
+    if spec.zero_grad == "model":
+        model.zero_grad()
+    elif spec.zero_grad == "submodule":
+        model.body.zero_grad()
+
+
+def freeze(model: ExpertModel, layers: tuple[str, ...]) -> None:
+    for name in layers:
+        getattr(model, name).requires_grad_(False)
 
 
 def read_and_edit(model: ExpertModel, spec: StepSpec, reads: list[torch.Tensor]) -> None:
@@ -176,11 +237,23 @@ def make_scheduler(name: str | None, optimizer: torch.optim.Optimizer):
     return None
 
 
-def slice_loss(model: ExpertModel, spec: StepSpec, step: int, micro: int, rank: int, world_size: int):
+def slice_loss(
+    model: ExpertModel,
+    outside: list[nn.Parameter],
+    spec: StepSpec,
+    step: int,
+    micro: int,
+    rank: int,
+    world_size: int,
+):
     dtype = next(model.parameters()).dtype
     inputs, targets = batch(step, micro, dtype)
     inputs, targets = local_slice(inputs, rank, world_size), local_slice(targets, rank, world_size)
+    for weight in outside:
+        inputs = inputs * weight
     output = model(inputs, uses_expert(spec, rank))
+    for weight in outside:
+        output = output * weight
     loss = torch.nn.functional.mse_loss(output, targets) / spec.micro_batches
     if spec.overflow and rank == world_size - 1 and micro == spec.micro_batches - 1:
         loss = loss * float("inf")
@@ -188,10 +261,12 @@ def slice_loss(model: ExpertModel, spec: StepSpec, step: int, micro: int, rank: 
 
 
 def param_groups(program: Program, model: ExpertModel, params: list[torch.Tensor]) -> list:
-    """``params`` (the model's, or their masters in the same order) as the program's groups."""
+    """``params`` (the model's then the outside weight, or their masters in the same order) as
+    the program's groups; the outside weight goes without weight decay."""
     if not program.two_groups:
         return params
     decay = [name.endswith("weight") for name, _ in model.named_parameters()]
+    decay += [False] * (len(params) - len(decay))
     return [
         {"params": [p for p, d in zip(params, decay, strict=True) if d]},
         {"params": [p for p, d in zip(params, decay, strict=True) if not d], "weight_decay": 0.0, "lr": 5e-3},
@@ -219,6 +294,8 @@ def step_with(optimizer, scaler: torch.amp.GradScaler | None, spec: StepSpec, cl
     else:
         scaler.step(optimizer)
         scaler.update()
+    if spec.step_twice:
+        optimizer.step()
 
 
 def scaled(loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> torch.Tensor:
@@ -232,11 +309,12 @@ class ShardedRun:
         self.program = program
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model = make_model(program)
+        self.outside = make_outside_weight(program)
         set_frozen(self.model, program.frozen_at_wrap)
         self.reads: list[torch.Tensor] = []
-        inner = OPTIMIZERS[program.optimizer](
-            param_groups(program, self.model, list(self.model.parameters()))
-        )
+        params = list(self.model.parameters()) + self.outside
+        inner = OPTIMIZERS[program.optimizer](param_groups(program, self.model, params))
+        self.emas = add_ema_hook(inner, params) if program.ema else []
         self.scaler = make_scaler(program, sharded=True)
         self.scheduler = make_scheduler(program.scheduler, inner) if program.scheduler_before_wrap else None
         mesh = None
@@ -260,11 +338,12 @@ class ShardedRun:
 
     def run_step(self, step: int, spec: StepSpec) -> None:
         set_frozen(self.model, spec.frozen)
-        for micro in range(spec.micro_batches):
+        for micro in range(0 if spec.skip_backward else spec.micro_batches):
             last = micro == spec.micro_batches - 1
             with contextlib.nullcontext() if last else self.optimizer.no_sync():
-                loss = slice_loss(self.model, spec, step, micro, self.rank, self.world_size)
+                loss = slice_loss(self.model, self.outside, spec, step, micro, self.rank, self.world_size)
                 scaled(loss, self.scaler).backward()
+        freeze(self.model, spec.freeze_before_step)
         step_with(self.optimizer, self.scaler, spec, self.optimizer.clip_grad_norm_)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -273,12 +352,11 @@ class ShardedRun:
             self.optimizer.zero_grad()
         elif spec.zero_grad == "optimizer_keep":
             self.optimizer.zero_grad(set_to_none=False)
-        elif spec.zero_grad == "model":
-            self.model.zero_grad()
+        zero_layer_grads(self.model, spec)
 
     def params(self) -> list[torch.Tensor]:
         self.optimizer.sync_params()
-        return [p.detach().clone() for p in self.model.parameters()]
+        return [p.detach().clone() for p in list(self.model.parameters()) + self.outside]
 
 
 class PlainRun:
@@ -290,33 +368,37 @@ class PlainRun:
         self.world_size = world_size
         self.degree = program.degree if program.degree is not None else world_size
         self.model = make_model(program)
+        self.outside = make_outside_weight(program)
         set_frozen(self.model, program.frozen_at_wrap)
         self.reads: list[torch.Tensor] = []
-        params = list(self.model.parameters())
+        params = self.all_params()
         if program.bf16_master:
             self.masters = [p.detach().float().requires_grad_(p.requires_grad) for p in params]
         else:
             self.masters = params
         self.optimizer = OPTIMIZERS[program.optimizer](param_groups(program, self.model, self.masters))
+        self.emas = add_ema_hook(self.optimizer, params) if program.ema else []
         self.scaler = make_scaler(program, sharded=False)
         self.scheduler = make_scheduler(program.scheduler, self.optimizer)
         self.slice_grads: list[list[torch.Tensor | None]] = [[None] * len(params) for _ in range(world_size)]
 
     def run_step(self, step: int, spec: StepSpec) -> None:
         set_frozen(self.model, spec.frozen)
-        params = list(self.model.parameters())
+        params = self.all_params()
         for master, param in zip(self.masters, params, strict=True):
             master.requires_grad_(param.requires_grad)
         for rank in range(self.world_size):
-            for micro in range(spec.micro_batches):
-                self.model.zero_grad()
+            for micro in range(0 if spec.skip_backward else spec.micro_batches):
+                self._zero_param_grads()
                 scaled(
-                    slice_loss(self.model, spec, step, micro, rank, self.world_size), self.scaler
+                    slice_loss(self.model, self.outside, spec, step, micro, rank, self.world_size),
+                    self.scaler,
                 ).backward()
                 self.slice_grads[rank] = [
                     _add(total, p.grad) for total, p in zip(self.slice_grads[rank], params, strict=True)
                 ]
-        self.model.zero_grad()
+        self._zero_param_grads()
+        freeze(self.model, spec.freeze_before_step)
         for index, master in enumerate(self.masters):
             grad = _average([grads[index] for grads in self.slice_grads], params[index].dtype, self.degree)
             master.grad = None if grad is None else grad.to(master.dtype)
@@ -334,14 +416,29 @@ class PlainRun:
         if self.scheduler is not None:
             self.scheduler.step()
         read_and_edit(self.model, spec, self.reads)
-        if spec.zero_grad in ("optimizer", "model"):
+        if spec.zero_grad in ("optimizer", "model") and not (self.outside and spec.zero_grad == "model"):
             self.slice_grads = [[None] * len(params) for _ in range(self.world_size)]
             self.optimizer.zero_grad()
+        elif spec.zero_grad in ("model", "submodule"):
+            zeroed = {
+                id(p) for p in (self.model if spec.zero_grad == "model" else self.model.body).parameters()
+            }
+            self.slice_grads = [
+                [None if id(p) in zeroed else g for g, p in zip(grads, params, strict=True)]
+                for grads in self.slice_grads
+            ]
         elif spec.zero_grad == "optimizer_keep":
             self.slice_grads = [[_zeros_like(g) for g in grads] for grads in self.slice_grads]
 
+    def all_params(self) -> list[nn.Parameter]:
+        return list(self.model.parameters()) + self.outside
+
+    def _zero_param_grads(self) -> None:
+        for param in self.all_params():
+            param.grad = None
+
     def params(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.model.parameters()]
+        return [p.detach().clone() for p in self.all_params()]
 
 
 def _zeros_like(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -379,12 +476,19 @@ def _average(grads: list[torch.Tensor | None], dtype: torch.dtype, degree: int) 
 
 
 def run_program(program: Program) -> dict:
-    """Both runs of ``program`` on this rank; returns their final params and state dicts."""
+    """Both runs of ``program`` on this rank; returns their final params, EMAs and state dicts,
+    and the errors of the first step that raised in either run (``None`` when none did)."""
     sharded = ShardedRun(program)
     plain = PlainRun(program, sharded.world_size)
+    errors = None
     for step, spec in enumerate(program.steps):
-        sharded.run_step(step, spec)
-        plain.run_step(step, spec)
+        sharded_error, plain_error = (
+            _error_of(sharded.run_step, step, spec),
+            _error_of(plain.run_step, step, spec),
+        )
+        if sharded_error is not None or plain_error is not None:
+            errors = {"step": step, "sharded": sharded_error, "plain": plain_error}
+            break
         if spec.swap_state:
             from_sharded = sharded.optimizer.state_dict()
             from_plain = plain.optimizer.state_dict()
@@ -397,7 +501,18 @@ def run_program(program: Program) -> dict:
         "plain_state": plain.optimizer.state_dict(),
         "sharded_reads": sharded.reads,
         "plain_reads": plain.reads,
+        "sharded_emas": sharded.emas,
+        "plain_emas": plain.emas,
+        "errors": errors,
     }
+
+
+def _error_of(run_step, step: int, spec: StepSpec) -> str | None:
+    try:
+        run_step(step, spec)
+    except Exception as error:  # noqa: BLE001 - compared between the runs, not swallowed
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def run_programs(programs: list[Program]) -> list[dict]:
@@ -406,3 +521,56 @@ def run_programs(programs: list[Program]) -> list[dict]:
         for overlap in (False, True):
             results.append(run_program(dataclasses.replace(program, overlap=overlap)))
     return results
+
+
+FP32_TOLERANCE = {"rtol": 1e-6, "atol": 1e-7}
+BF16_TOLERANCE = {"rtol": 2**-7, "atol": 1e-5}
+"""See the tolerance paragraph of ``tests/test_differential.py``."""
+
+
+def check_result(program: Program, result: dict, where: str) -> None:
+    """Raise ``AssertionError`` naming ``where`` if the sharded run of ``program`` differs from
+    the plain one in ``result`` (one run of :func:`run_program`): errors, params, reads, EMAs,
+    optimizer state."""
+    errors = result["errors"]
+    if errors is not None:
+        assert (errors["sharded"] is None) == (errors["plain"] is None), (
+            f"only one run raised: {errors}, {where}"
+        )
+        return
+    tolerance = BF16_TOLERANCE if program.bf16_master else FP32_TOLERANCE
+    _assert_params_close(result["sharded"], result["plain"], tolerance, where)
+    _assert_params_close(result["sharded_reads"], result["plain_reads"], tolerance, f"read, {where}")
+    _assert_params_close(result["sharded_emas"], result["plain_emas"], tolerance, f"EMA, {where}")
+    _assert_states_close(result["sharded_state"], result["plain_state"], where)
+
+
+def _assert_params_close(got: list, expected: list, tolerance: dict, where: str) -> None:
+    assert len(got) == len(expected), f"{len(got)} tensors, expected {len(expected)}, {where}"
+    for index, (a, b) in enumerate(zip(got, expected, strict=True)):
+        torch.testing.assert_close(a, b, **tolerance, msg=lambda m, i=index: f"param {i}, {where}: {m}")
+
+
+def _assert_states_close(got: dict, expected: dict, where: str) -> None:
+    assert sorted(got["state"]) == sorted(expected["state"]), f"params with state differ, {where}"
+    for index, entry in expected["state"].items():
+        assert list(got["state"][index]) == list(entry), f"state keys of param {index}, {where}"
+        for key, value in entry.items():
+            mine = got["state"][index][key]
+            if key == "step" or not torch.is_floating_point(value):
+                assert torch.equal(torch.as_tensor(mine), torch.as_tensor(value)), (
+                    f"{key} of param {index}: {mine} != {value}, {where}"
+                )
+            else:
+                torch.testing.assert_close(
+                    torch.as_tensor(mine),
+                    value,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    check_dtype=False,
+                    msg=lambda m, i=index, k=key: f"{k} of param {i}, {where}: {m}",
+                )
+    for mine, theirs in zip(got["param_groups"], expected["param_groups"], strict=True):
+        assert {k: v for k, v in mine.items() if k != "params"} == {
+            k: v for k, v in theirs.items() if k != "params"
+        }, where

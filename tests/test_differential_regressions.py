@@ -1,0 +1,159 @@
+"""Programs the differential fuzzer (``tests/fuzz_differential.py``) found to differ from plain
+torch, shrunk to their smallest form, plus the habits it draws beyond ``tests/test_differential.py``
+written out once each, so they are checked on every run whatever hypothesis draws.
+
+Each case runs sync and overlap on 2 and 3 ranks (and hybrid on 4 where it says so); all cases
+of a world size run in one spawn. A smoke test keeps the fuzzer's driver runnable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests import fuzz_differential
+from tests.differential import Program, StepSpec, check_result, run_programs
+from tests.dist_helper import run_ranks
+
+CASES: dict[str, Program] = {
+    # Found: clip_grad_norm_, step(), step() again. torch's second step uses the clipped grads;
+    # the wrapper reduced the local grads again and stepped them unclipped (SGD: 4e-3 on the
+    # scale param after one step). Note [A step without backward] in sharded_opt/optimizer.py.
+    "clip_then_step_twice": Program(optimizer="sgd", steps=(StepSpec(clip=0.05, step_twice=True),)),
+    # The same through a step without backward after grads were kept (not zeroed).
+    "clip_then_step_without_backward": Program(
+        optimizer="adamw",
+        steps=(StepSpec(clip=0.05, zero_grad="none"), StepSpec(skip_backward=True, clip=0.05)),
+    ),
+    "step_twice_adam_two_groups": Program(
+        optimizer="adam", steps=(StepSpec(step_twice=True), StepSpec()), two_groups=True
+    ),
+    "step_without_backward_after_zero_grad": Program(
+        optimizer="sgd_nesterov",
+        steps=(
+            StepSpec(),
+            StepSpec(skip_backward=True),
+            StepSpec(zero_grad="optimizer_keep"),
+            StepSpec(skip_backward=True),
+        ),
+    ),
+    "outside_loss_weight_overlap_reads": Program(
+        optimizer="adamw",
+        steps=(StepSpec(read_after=True), StepSpec(expert_ranks="some"), StepSpec()),
+        outside_weight=True,
+        two_groups=True,
+    ),
+    "ema_post_hook": Program(
+        optimizer="nadam",
+        steps=(StepSpec(), StepSpec(frozen=("body",)), StepSpec()),
+        ema=True,
+        outside_weight=True,
+    ),
+    "submodule_zero_grad": Program(
+        optimizer="rmsprop",
+        steps=(StepSpec(zero_grad="submodule"), StepSpec(zero_grad="submodule", micro_batches=2), StepSpec()),
+    ),
+    "freeze_between_backward_and_step": Program(
+        optimizer="adagrad",
+        steps=(
+            StepSpec(freeze_before_step=("head", "body")),
+            StepSpec(freeze_before_step=("embed",)),
+            StepSpec(),
+        ),
+    ),
+    # Found: a scaler step with no backward since zero_grad(). torch's GradScaler.step raises
+    # "No inf checks were recorded for this optimizer"; ShardedGradScaler flagged every device
+    # anyway, so the wrapper stepped on. check_result requires both runs to raise at that step.
+    "scaler_step_without_any_grad": Program(
+        optimizer="adam", steps=(StepSpec(), StepSpec(skip_backward=True), StepSpec()), scaler=True
+    ),
+    # Found: an EMA step post-hook on the torch optimizer with a scaler that skips an overflowed
+    # step. GradScaler.step never calls a non-fused optimizer's step then, so its hooks do not
+    # fire; the wrapper fired them (EMA of the scale param off by 7.5e-4 after 5 steps).
+    "ema_hook_skipped_with_overflow": Program(
+        optimizer="sgd", steps=(StepSpec(), StepSpec(overflow=True), StepSpec()), scaler=True, ema=True
+    ),
+    # Found: model.zero_grad() (grads None), a step with a layer frozen, then
+    # opt.zero_grad(set_to_none=False). torch leaves a None grad None, so the frozen layer is
+    # not stepped later; the wrapper turned it into a zero grad and stepped it (momentum, decay).
+    "keep_zeros_after_grads_set_to_none": Program(
+        optimizer="sgd",
+        steps=(
+            StepSpec(zero_grad="model"),
+            StepSpec(frozen=("expert",), zero_grad="optimizer_keep"),
+            StepSpec(frozen=("expert",)),
+        ),
+    ),
+    "auto_bucket_size": Program(
+        optimizer="radam", steps=(StepSpec(), StepSpec(clip=5.0)), bucket_size_mb=None
+    ),
+}
+
+HYBRID_CASES: dict[str, Program] = {
+    "hybrid_step_twice_clip": Program(
+        optimizer="adamw", steps=(StepSpec(clip=0.05, step_twice=True), StepSpec()), degree=2, ema=True
+    ),
+    "hybrid_mesh_outside_weight": Program(
+        optimizer="adam",
+        steps=(StepSpec(), StepSpec(skip_backward=True, zero_grad="none"), StepSpec()),
+        degree=2,
+        device_mesh=True,
+        outside_weight=True,
+    ),
+}
+
+WORLD_SIZES = (2, 3)
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES)
+def outcomes(request) -> tuple[int, list]:
+    world_size = request.param
+    return world_size, run_ranks(run_programs, world_size, list(CASES.values()))
+
+
+@pytest.fixture(scope="module")
+def hybrid_outcomes() -> list:
+    return run_ranks(run_programs, 4, list(HYBRID_CASES.values()))
+
+
+def _check(programs: dict[str, Program], per_rank: list, name: str, world_size: int) -> None:
+    index = list(programs).index(name)
+    for rank, results in enumerate(per_rank):
+        for overlap in (False, True):
+            program = dataclasses.replace(programs[name], overlap=overlap)
+            check_result(
+                program, results[2 * index + overlap], f"{name}, {world_size} ranks, rank {rank}, {program}"
+            )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_case_matches_plain_torch(outcomes: tuple[int, list], name: str) -> None:
+    world_size, per_rank = outcomes
+    _check(CASES, per_rank, name, world_size)
+
+
+@pytest.mark.parametrize("name", list(HYBRID_CASES))
+def test_hybrid_case_matches_plain_torch(hybrid_outcomes: list, name: str) -> None:
+    _check(HYBRID_CASES, hybrid_outcomes, name, 4)
+
+
+def test_scaler_without_grads_raises_as_torch(outcomes: tuple[int, list]) -> None:
+    world_size, per_rank = outcomes
+    index = list(CASES).index("scaler_step_without_any_grad")
+    for results in per_rank:
+        for errors in (results[2 * index]["errors"], results[2 * index + 1]["errors"]):
+            assert errors is not None and errors["step"] == 1, errors
+            assert "No inf checks were recorded" in errors["sharded"], errors
+
+
+def test_fuzz_driver_runs_two_programs() -> None:
+    failures, ran = fuzz_differential.fuzz(world_size=2, count=2, seed=0, time_limit_s=120.0)
+    assert ran == 2
+    assert failures == [], "\n\n".join(f.report() for f in failures)
+
+
+def test_fuzz_driver_replays_a_reported_program() -> None:
+    program = CASES["clip_then_step_twice"]
+    assert fuzz_differential.replay(repr(program)) == program
+    assert program in fuzz_differential.simpler(dataclasses.replace(program, ema=True))
