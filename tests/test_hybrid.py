@@ -27,15 +27,16 @@ from sharded_opt import (
     load_checkpoint,
     save_checkpoint,
 )
-from tests.differential import Program, StepSpec, run_programs
-from tests.dist_helper import run_ranks
-from tests.test_differential import (
-    BF16_TOLERANCE,
+from tests.differential import (
     FP32_TOLERANCE,
+    Program,
+    StepSpec,
     _assert_params_close,
-    _assert_states_close,
-    draw_programs,
+    check_result,
+    run_programs,
 )
+from tests.dist_helper import run_ranks
+from tests.test_differential import draw_programs
 from tests.test_parity import ATOL, RTOL
 from tests.test_state_dict import STEPS_AFTER, STEPS_BEFORE, _sharded_steps
 from tests.training import (
@@ -110,10 +111,8 @@ def test_programs_match_plain_torch(hybrid_results) -> None:
     for rank, results in enumerate(per_rank):
         for index, result in enumerate(results["programs"]):
             program = programs[index // 2]
-            tolerance = BF16_TOLERANCE if program.bf16_master else FP32_TOLERANCE
             where = f"rank {rank}, program {index // 2} (overlap={index % 2 == 1}): {program}"
-            _assert_params_close(result["sharded"], result["plain"], tolerance, where)
-            _assert_states_close(result["sharded_state"], result["plain_state"], where)
+            check_result(program, result, where)
 
 
 def test_sync_equals_overlap_bitwise_and_ranks_agree(hybrid_results) -> None:
