@@ -4,7 +4,8 @@ ShardingStage1 step, each way of running them side by side (Note [Reduce-scatter
 On the default GPT's real buckets, every bucket in flight at once as in a step, interleaved
 round by round, medians of the slowest rank:
 
-* reduce-scatter: all-to-all + local sum (before point-to-point), point-to-point with a per-call
+* reduce-scatter: all-to-all + local sum on a helper thread (the default) and as a callback on
+  gloo's thread (before Note [No Python on gloo's threads]), point-to-point with a per-call
   receive buffer (the library's), point-to-point with persistent per-bucket receive buffers;
 * all-gather: gloo's all_gather (before), point-to-point (the library's).
 
@@ -47,16 +48,23 @@ def _variants(opt: ShardingStage1) -> dict[str, Callable[[], None]]:
 
     def persistent_p2p(index: int) -> object:
         works = collectives.start_reduce_scatter_by_p2p(persistent[index], grads[index], group)
-        return collectives._in_background(
+        return collectives.run_after(
             works,
             lambda: collectives.sum_received(outputs[index], persistent[index], group.size()),
             "gloo:reduce_scatter (point-to-point)",
         )
 
+    def all_to_all_sum_as_callback(index: int) -> object:
+        received = torch.empty_like(grads[index])
+        work = dist.all_to_all_single(received, grads[index], group=group, async_op=True)
+        sum_received = collectives.sum_received
+        return work.get_future().then(lambda _: sum_received(outputs[index], received, group.size()))
+
     return {
-        "RS all-to-all + sum (before)": run(
+        "RS all-to-all + sum (library's)": run(
             lambda i: collectives._reduce_scatter_by_all_to_all(outputs[i], grads[i], group, True)
         ),
+        "RS all-to-all + sum as gloo callback": run(all_to_all_sum_as_callback),
         "RS p2p, per-call buffer": run(
             lambda i: collectives.reduce_scatter_avg(outputs[i], grads[i], group, True)
         ),

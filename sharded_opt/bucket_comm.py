@@ -288,9 +288,10 @@ class ReplicaChain:
         all-reduces must be issued in the same order on every rank: the buckets' launch order,
         which is the bucket order on every rank. Their reduce-scatters, though, may complete in
         any order (gloo runs several collectives of a group at once). On CPU, bucket i's
-        all-reduce is therefore issued by a callback that runs once both its reduce-scatter
-        completed and bucket i-1's all-reduce was issued: it runs in the background (on gloo's
-        thread) and keeps the order. On an accelerator the comm stream waits for the
+        all-reduce is therefore issued by a helper thread once both its reduce-scatter
+        completed and bucket i-1's all-reduce was issued: it runs in the background and keeps
+        the order (a thread rather than a callback on gloo's thread, Note [No Python on gloo's
+        threads] in ``collectives``). On an accelerator the comm stream waits for the
         reduce-scatter (``Work.wait()``, the host is not blocked on NCCL) and the all-reduce is
         issued behind it at once, so host order is launch order. Sync and overlap mode issue the
         same collectives in the same order on the same buffers: results stay bitwise equal.
@@ -311,12 +312,14 @@ class ReplicaChain:
         if self._last_issued is not None:
             before.append(self._last_issued)
 
-        def issue(done: Future) -> Work | None:
+        done = torch.futures.collect_all(before)
+
+        def issue() -> Work | None:
             for future in done.value():
                 future.value()  # raises what a failed reduce-scatter (or earlier issue) raised
             return collectives.all_reduce_avg(shard, group, async_op=True)
 
-        issued = torch.futures.collect_all(before).then(issue)
+        issued = collectives.run_after(done, issue, "sharded_opt: issue the replica all-reduce")
         self._last_issued = issued
         return _IssuedWork(issued)
 
@@ -326,8 +329,8 @@ class ReplicaChain:
 
 
 class _IssuedWork:
-    """The handle of an all-reduce issued later by a callback: ``wait()`` waits for the
-    callback, then for the all-reduce, and raises what either raised."""
+    """The handle of an all-reduce issued later by a helper thread: ``wait()`` waits for the
+    issue, then for the all-reduce, and raises what either raised."""
 
     def __init__(self, issued: Future) -> None:
         self._issued = issued

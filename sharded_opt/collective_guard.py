@@ -18,10 +18,11 @@ Note [Collectives entered by some ranks]
     for the n-th call of every other rank. A rank that skipped a call is then behind by one for
     good, which is no loss: the program is wrong and the error says so.
 
-    The timeout defaults to the store's, which is the group's own (``init_process_group``
-    passes it on), so the check never fails where the collective itself would have waited
-    successfully (a rank busy with rank-only work, say an evaluation, before it joins).
-    ``ShardingConfig.collective_entry_timeout_s`` shortens it.
+    The timeout defaults to the group's collective timeout, so the check never fails where the
+    collective itself would have waited successfully (a rank busy with rank-only work, say an
+    evaluation, before it joins). Not the store's own timeout: ``init_parallel_env`` gives the
+    store a longer one for the rendezvous (Note [Rendezvous apart from collectives] in
+    ``launcher``). ``ShardingConfig.collective_entry_timeout_s`` shortens it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import datetime
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Store
+
+from sharded_opt.collectives import collective_timeout
 
 _KEY_PREFIX = "sharded_opt.collective_entry"
 
@@ -53,7 +56,10 @@ def check_all_ranks_enter(api: str, fix: str, group: ProcessGroup, timeout_s: fl
         return
     rank = dist.get_rank(group)
     store = _group_store(group)
-    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else store.timeout
+    if timeout_s is not None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+    else:
+        timeout = collective_timeout(group) or store.timeout
     call = store.add(f"{_KEY_PREFIX}/{rank}/count", 1)
     keys = [f"{_KEY_PREFIX}/{other}/{call}" for other in range(world_size)]
     store.set(keys[rank], api)

@@ -90,6 +90,19 @@ def step_without_hooks(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any])
         step(optimizer, **kwargs)
 
 
+def copy_group_updates(inner_groups: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    """Copy into the user's ``groups`` what the inner optimizer's ``step`` set in its own groups.
+
+    Optimizers keep per-group scalars in their groups and update them in ``step`` (schedule-free
+    AdamW's ``k``, ``weight_sum`` and ``lr_max``): with the plain optimizer they show up in
+    ``param_groups`` and ``state_dict()``, and the next step reads them back. The user's groups
+    are copied into the inner ones before every step, so without this the next step would read
+    the old values again (schedule-free's warmup would never advance).
+    """
+    for inner, group in zip(inner_groups, groups, strict=True):
+        group.update(hyperparameters(inner))
+
+
 def add_shard(inner: torch.optim.Optimizer, shard: LocalShard) -> None:
     """Let the inner optimizer step a shard that was materialized after it was built."""
     inner.param_groups[shard.bucket.group_index]["params"].extend(shard.inner_params)

@@ -29,6 +29,20 @@ DEFAULT_TIMEOUT_S = 300.0
 """Collective timeout: long enough for a slow first step, short enough that a dead peer turns
 into an error instead of a hang."""
 
+RENDEZVOUS_TIMEOUT_S = 600.0
+"""How long joining the group waits for the other ranks to start (at least the collective
+timeout).
+
+Note [Rendezvous apart from collectives]
+    ``init_process_group(timeout=t)`` makes ``t`` the collective timeout and also how long the
+    ranks wait for each other to join. Starting a rank (a new interpreter importing torch, a
+    fork from a busy forkserver) takes seconds on a loaded machine, so a short collective
+    timeout, which is how a program (or a test) bounds a hang, failed the join instead ("Timed
+    out after 3 seconds waiting for clients. 1/2 clients joined"). So the rendezvous store is
+    made first with its own generous timeout and the group gets the collective timeout. A rank
+    that dies before it joins is reported by the launcher (``spawn`` or torchrun) at once; the
+    others do not have to time out for that."""
+
 FAILURE_GRACE_S = 5.0
 """After the first rank fails, how long :func:`spawn` lets the others end on their own before it
 stops them. A dead peer makes their next collective raise at once ("connection reset by peer"),
@@ -64,6 +78,9 @@ Note [Start methods]
     process group needs inside each rank, so only a caller's own variables are affected."""
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_RETURNED_KEY = "sharded_opt.spawn/returned"
+_NO_TIMEOUT = datetime.timedelta(days=365)
+"""A store wait that only the peers' ends end, see Note [Waiting for the other ranks to return]."""
 _DEFAULT_EPHEMERAL_FLOOR = 32768  # Linux's default start of ip_local_port_range
 _PORT_WINDOW = 12000  # ports below the ephemeral floor that spawn picks from
 
@@ -79,7 +96,9 @@ def init_parallel_env(
             tensors plus, on a machine with an accelerator, the backend torch pairs with it for
             that device's tensors (``"cpu:gloo,cuda:nccl"``), see :func:`plan_parallel_env`.
         timeout_s: how long a collective may wait for its peers before it raises, so that a dead
-            rank makes the others fail instead of hang.
+            rank makes the others fail instead of hang. Joining the group waits for the other
+            ranks at least :data:`RENDEZVOUS_TIMEOUT_S`, see Note [Rendezvous apart from
+            collectives].
 
     The rank's device is set to ``LOCAL_RANK`` only when that device exists, so more local ranks
     than devices (``spawn(fn, nprocs=2)`` on a one-GPU machine, CPU models) work. Calling it
@@ -107,7 +126,16 @@ def init_parallel_env(
     )
     if plan.device_index is not None:
         torch.accelerator.set_device_index(plan.device_index)
-    dist.init_process_group(plan.backend, timeout=datetime.timedelta(seconds=timeout_s))
+    # Note [Rendezvous apart from collectives]
+    rendezvous_timeout = datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S))
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=rendezvous_timeout))
+    dist.init_process_group(
+        plan.backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     return dist.group.WORLD
 
 
@@ -244,7 +272,7 @@ def _run_rank(
     try:
         _join_group(rank, world_size, port, device_ids, backend, timeout_s)
         payload = _serialize_result(fn(*args), rank)
-        _leave_group(rank)
+        _leave_group(rank, world_size)
     except BaseException:
         failure = Path(result_dir) / f"rank{rank}.error"
         failure.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
@@ -293,12 +321,13 @@ def _serialize_result(result: Any, rank: int) -> bytes:
     return buffer.getvalue()
 
 
-def _leave_group(rank: int) -> None:
+def _leave_group(rank: int, world_size: int) -> None:
     # Objects kept alive by reference cycles (hooks whose closures hold the optimizer, which holds
     # the group) would otherwise outlive destroy_process_group and be destroyed during interpreter
     # shutdown, where the gloo group's threads make the process abort (SIGABRT) after it already
     # succeeded. Collect them while the group is still whole, then tear it down together.
     gc.collect()
+    _wait_until_every_rank_returned(rank, world_size)
     try:
         dist.barrier()
     except Exception as error:
@@ -308,6 +337,26 @@ def _leave_group(rank: int) -> None:
             "failed or timed out and left the process group unusable, even if fn caught that error"
         ) from error
     dist.destroy_process_group()
+
+
+def _wait_until_every_rank_returned(rank: int, world_size: int) -> None:
+    """Wait, without a timeout, until ``fn`` returned on every rank.
+
+    Note [Waiting for the other ranks to return]
+        A rank whose ``fn`` returned waits for the others before the closing barrier. That wait
+        is not a collective of ``fn``'s and gets no collective timeout: a peer may legitimately
+        run longer than that on its own (rank 0's final evaluation, saving a file), and a
+        barrier that timed out would fail this rank, have the busy peer ended after the grace
+        and blame this rank. It goes through the rendezvous store instead, which has no such
+        timeout here. It still ends: a peer that fails exits (spawn then ends the waiting ranks
+        after the grace, or the store's host is gone and the wait raises), and a peer stuck in a
+        collective that this rank left fails there after the collective timeout. Only a peer
+        that never ends on its own (an endless loop in plain Python) keeps the others waiting,
+        as it would keep a single process running.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{_RETURNED_KEY}/{rank}", "1")
+    store.wait([f"{_RETURNED_KEY}/{other}" for other in range(world_size)], _NO_TIMEOUT)
 
 
 def _load_result(path: Path) -> Any:

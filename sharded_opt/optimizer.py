@@ -115,6 +115,7 @@ from sharded_opt.inner_optimizer import (
     add_shard,
     build_inner_optimizer,
     check_steps,
+    copy_group_updates,
     hyperparameters,
     step_without_hooks,
 )
@@ -1067,6 +1068,7 @@ class ShardingStage1(torch.optim.Optimizer):
             for group, params in zip(inner_groups, params_per_group, strict=True):
                 group["params"] = params
             step_without_hooks(self._inner, kwargs)
+            copy_group_updates(self._inner.param_groups, self.param_groups)
         finally:
             for group, params in zip(inner_groups, full, strict=True):
                 group["params"] = params
@@ -1107,7 +1109,8 @@ def _resolve_config(strategy: Strategy | None, overlap: bool | None):
 
 
 def _check_not_stepped(optimizer: torch.optim.Optimizer) -> None:
-    stepped = [state for state in optimizer.state.values() if float(state.get("step", 1)) > 0]
+    # An empty entry is what reading ``optimizer.state[p]`` leaves (schedule-free's train()).
+    stepped = [state for state in optimizer.state.values() if state and float(state.get("step", 1)) > 0]
     if stepped:
         raise ValueError(
             f"ShardingStage1 expects an optimizer that has not stepped yet but it holds state for "

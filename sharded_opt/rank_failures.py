@@ -4,7 +4,16 @@ When one rank dies or raises, its peers fail soon after in their next collective
 reset by peer"), and torch's process context reports whichever failure it sees first. These
 helpers collect every rank's exit code and error file after a short grace and raise the root
 cause: a rank that died without a traceback (killed, ``os._exit``), else the rank that raised
-first.
+first; see Note [Attribute only what is known].
+
+Note [Attribute only what is known]
+    An error is called a consequence of another rank's only when its own words say so: it
+    reports a lost connection to a peer (``Connection reset by peer``, ``Connection closed by
+    peer``, a broken pipe). Every other error is a rank's own: ranks that raise the same error
+    (the same exception and message, a ``ValueError`` each rank raised at construction) are
+    reported once, naming all of them, and different errors of their own are listed after the
+    first, never said to follow from it. Timing says nothing about cause: the rank that
+    raised first is reported first, nothing more.
 """
 
 from __future__ import annotations
@@ -72,8 +81,8 @@ def raise_root_cause(
 
     When one rank dies or raises, its peers fail soon after in their next collective ("connection
     reset by peer"); torch reports whichever failure it notices first, which hides the cause. A
-    rank that died without a traceback (killed, ``os._exit``) is the cause; otherwise the rank
-    that raised first is.
+    rank that died without a traceback (killed, ``os._exit``) is the cause; otherwise the ranks'
+    own errors are, see Note [Attribute only what is known].
     """
     failures = outcome.failures()
     raised = {rank for _, rank, _ in failures}
@@ -89,18 +98,57 @@ def raise_root_cause(
         ) from error
     if not failures:
         return
-    _, rank, trace = failures[0]
+    own = [failure for failure in failures if not _lost_a_peer(failure[2])] or failures
+    _, rank, trace = own[0]
+    same = [other for _, other, other_trace in own if _error_line(other_trace) == _error_line(trace)]
     ended = outcome.still_running()
-    if rank == error.error_index and not ended:
-        return
-    others = sorted(raised - {rank})
-    cause = f" (it failed first; the errors of ranks {others} followed from it)" if others else ""
-    tail = f"\n{_ended_note(ended, outcome.grace_s)}" if ended else ""
+    if len(raised) == 1 and rank == error.error_index and not ended:
+        return  # torch's report is the whole story
     raise mp.ProcessRaisedException(
-        f"\n\n-- Process {rank} terminated with the following error{cause}:\n{trace}{tail}",
-        rank,
-        outcome.pids[rank],
-    ) from error
+        _raised_message(rank, trace, same, own, failures, outcome), rank, outcome.pids[rank]
+    ) from None  # the message holds torch's report and more: chaining would print it twice
+
+
+def _raised_message(
+    rank: int,
+    trace: str,
+    same: list[int],
+    own: list[tuple[float, int, str]],
+    failures: list[tuple[float, int, str]],
+    outcome: RankOutcome,
+) -> str:
+    """The first own error's traceback, naming every rank that raised it, then the other ranks'
+    own errors and the lost connections, each as one line."""
+    which = f" (ranks {sorted(same)} raised the same error)" if len(same) > 1 else ""
+    lines = [f"\n\n-- Process {rank} terminated with the following error{which}:\n{trace}"]
+    others = [failure for failure in own if failure[1] not in same]
+    if others:
+        lines.append("Other ranks raised errors of their own:")
+        lines += [f"  rank {other}: {_error_line(other_trace)}" for _, other, other_trace in others]
+    followers = [failure for failure in failures if failure not in own]
+    if followers:
+        lines.append("Ranks that then lost their connection to a failed peer:")
+        lines += [f"  rank {other}: {_error_line(other_trace)}" for _, other, other_trace in followers]
+    ended = outcome.still_running()
+    if ended:
+        lines.append(_ended_note(ended, outcome.grace_s))
+    return "\n".join(lines)
+
+
+_LOST_PEER_WORDS = ("connection reset by peer", "connection closed by peer", "broken pipe")
+"""How gloo, the TCP store and sockets say that the other end went away (lower case)."""
+
+
+def _lost_a_peer(trace: str) -> bool:
+    """Whether the error says that a peer went away, see Note [Attribute only what is known]."""
+    text = trace.lower()
+    return any(words in text for words in _LOST_PEER_WORDS)
+
+
+def _error_line(trace: str) -> str:
+    """The exception and its message: the traceback's last line."""
+    lines = trace.strip().splitlines()
+    return lines[-1] if lines else "(no traceback)"
 
 
 def _death_message(died: list[int], failures: list[tuple[float, int, str]], outcome: RankOutcome) -> str:
@@ -109,8 +157,7 @@ def _death_message(died: list[int], failures: list[tuple[float, int, str]], outc
     deaths = "; ".join(_how_it_died(rank, outcome.exit_codes[rank]) for rank in died)
     lines = [f"{deaths}, without raising an exception; the other ranks then failed with:"]
     for _, rank, trace in failures:
-        last_line = trace.strip().splitlines()[-1] if trace.strip() else "(no traceback)"
-        lines.append(f"  rank {rank}: {last_line}")
+        lines.append(f"  rank {rank}: {_error_line(trace)}")
     ended = outcome.still_running()
     if ended:
         lines.append(f"  {_ended_note(ended, outcome.grace_s)}")

@@ -3,7 +3,6 @@ changed, with a message that names the problem and the fix."""
 
 from __future__ import annotations
 
-import datetime
 import sys
 
 import torch
@@ -12,6 +11,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from fusion.layout import ParamSpec
+from sharded_opt.collectives import collective_timeout
 
 _MEMORY_OVERLAPS = 1
 """``torch._debug_has_internal_overlap``'s answer for a tensor some of whose elements share
@@ -272,17 +272,10 @@ def new_communicator(ranks: list[int], like: ProcessGroup, local: bool) -> Proce
     by its members only, see Note [One communicator per wrapper]."""
     return dist.new_group(
         ranks=ranks,
-        timeout=_timeout_of(like),
+        timeout=collective_timeout(like),
         backend=dist.get_backend(like),
         use_local_synchronization=local,
     )
-
-
-def _timeout_of(group: ProcessGroup) -> datetime.timedelta | None:
-    """The group's collective timeout (so a dead peer fails the new group's collectives as soon
-    as the user's), or None (torch's default) where the backend does not expose it."""
-    options = getattr(group._get_backend(group._device_types[0]), "options", None)
-    return getattr(options, "_timeout", None)
 
 
 def check_same_layout(specs: list[ParamSpec], group: ProcessGroup, world_size: int) -> None:

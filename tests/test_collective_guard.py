@@ -15,7 +15,9 @@ from tests.dist_helper import run_ranks
 from tests.training import make_model
 
 ENTRY_TIMEOUT_S = 2.0
-"""Short, so a test never waits for the group's timeout."""
+"""Short, so a test never waits for the group's timeout; only for calls that one rank skips.
+Calls every rank makes keep the default (the collective timeout), so a loaded machine where
+one rank gets there seconds later never fails them."""
 
 
 def _state_dict(opt: ShardingStage1, model, folder: Path) -> None:
@@ -52,7 +54,7 @@ def _called_by_one_rank(folder: Path) -> dict[str, str]:
     apart; returns what this rank got per case."""
     strategy = Strategy(sharding=ShardingConfig(collective_entry_timeout_s=ENTRY_TIMEOUT_S))
     model = make_model()
-    opt = ShardingStage1(torch.optim.AdamW(model.parameters()), strategy=strategy)
+    opt = ShardingStage1(torch.optim.AdamW(model.parameters()))
     save_checkpoint(folder / "ckpt", model, opt)  # for load_checkpoint; every rank calls it
     outcomes = {}
     for name, (call, caller, _) in CASES.items():
@@ -68,7 +70,7 @@ def _called_by_one_rank(folder: Path) -> dict[str, str]:
                 outcomes[name] = str(error)
     # Two different collective calls at once: each rank learns what the other one called.
     group = dist.new_group()
-    opt = ShardingStage1(torch.optim.AdamW(model.parameters()), strategy=strategy, process_group=group)
+    opt = ShardingStage1(torch.optim.AdamW(model.parameters()), process_group=group)
     try:
         _state_dict(opt, model, folder) if dist.get_rank() == 0 else _load_state_dict(opt, model, folder)
     except RuntimeError as error:
@@ -86,3 +88,21 @@ def test_collective_called_by_some_ranks_names_the_api_the_ranks_and_the_fix(tmp
         other = "ShardingStage1.load_state_dict" if rank == 0 else "ShardingStage1.state_dict"
         expected = f"every rank of the process group must call it, but rank {1 - rank} called {other} instead"
         assert expected in outcomes["different_calls"]
+
+
+def _state_dict_on_rank_zero_only() -> str:
+    model = make_model()
+    opt = ShardingStage1(torch.optim.AdamW(model.parameters()))
+    if dist.get_rank() != 0:
+        return "not called"
+    try:
+        opt.state_dict()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_the_default_entry_timeout_is_the_collective_timeout() -> None:
+    """Not the rendezvous store's longer one (Note [Rendezvous apart from collectives])."""
+    outcome, _ = run_ranks(_state_dict_on_rank_zero_only, 2, timeout_s=3.0)
+    assert "rank(s) [1] did not call it within 3 s" in outcome, outcome

@@ -238,7 +238,8 @@ def test_training_with_point_to_point_is_bitwise_the_default(results, label) -> 
 def test_the_benchmark_probe_times_every_variant(results) -> None:
     probe = results[0]["probe"]
     assert {name for name in probe if name.startswith(("RS ", "AG "))} == {
-        "RS all-to-all + sum (before)",
+        "RS all-to-all + sum (library's)",
+        "RS all-to-all + sum as gloo callback",
         "RS p2p, per-call buffer",
         "RS p2p, persistent buffers",
         "AG gloo all_gather (before)",
@@ -252,6 +253,6 @@ def test_an_error_of_a_background_reduce_scatter_surfaces_at_wait() -> None:
         def wait(self) -> bool:
             raise RuntimeError("peer went away")
 
-    future = collectives._in_background(FailingWorks(), lambda: None, "gloo:test")
+    future = collectives.run_after(FailingWorks(), lambda: None, "gloo:test")
     with pytest.raises(RuntimeError, match="peer went away"):
         future.wait()

@@ -191,7 +191,7 @@ def _train_with_hung_rank(victim: int, hang_step: int, pid_folder: str) -> None:
 def test_hung_rank_ends_in_the_collective_timeout(tmp_path: Path, monkeypatch) -> None:
     """The collective timeout is the backstop when no connection breaks."""
     monkeypatch.setattr(launcher, "FAILURE_GRACE_S", 1.0)
-    timeout_s = 8.0  # long enough for the ranks' rendezvous on a loaded machine
+    timeout_s = 8.0  # only the collectives; the ranks' rendezvous waits longer (launcher)
     started = time.monotonic()
     with pytest.raises(mp.ProcessRaisedException) as caught:
         spawn(

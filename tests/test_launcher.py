@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sharded_opt import collectives, init_parallel_env, launcher, spawn
+from sharded_opt import (
+    ShardingConfig,
+    ShardingStage1,
+    Strategy,
+    collectives,
+    init_parallel_env,
+    launcher,
+    rank_failures,
+    spawn,
+)
+from tests.dist_helper import START_METHOD
 
 
 def _report_environment(tag: str) -> dict:
@@ -136,6 +149,7 @@ class _FakeAccelerator:
         monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
         monkeypatch.setattr(torch.accelerator, "set_device_index", self.current.append)
         monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: self.backends.append(backend))
+        monkeypatch.setattr(dist, "rendezvous", lambda url, **kw: iter([(None, 0, 1)]))
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             monkeypatch.setenv(name, "0")  # restored after the test; the code under test sets them
 
@@ -205,9 +219,161 @@ def _both_ranks_catch_a_timeout() -> str:
 
 
 def test_broken_group_after_fn_returned_is_reported_as_the_cause() -> None:
+    # A short collective timeout bounds the test; the ranks' rendezvous does not depend on it.
     with pytest.raises(
         mp.ProcessRaisedException,
         match=r"fn returned on rank \d, but the closing barrier with the other ranks failed .*"
         r"a collective in fn failed or timed out and left the process group unusable",
     ):
-        spawn(_both_ranks_catch_a_timeout, nprocs=2, timeout_s=2)
+        spawn(_both_ranks_catch_a_timeout, nprocs=2, timeout_s=2, start_method=START_METHOD)
+
+
+# -- timeouts: the rendezvous waits longer than a short collective timeout --------------------------
+
+
+def _store_and_collective_timeouts() -> tuple[float, float]:
+    store = dist.distributed_c10d._get_default_store()
+    return store.timeout.total_seconds(), collectives.collective_timeout(dist.group.WORLD).total_seconds()
+
+
+def test_a_short_collective_timeout_leaves_the_rendezvous_generous() -> None:
+    """A run that bounds its collectives at 1 s must not fail while its ranks start (under load,
+    "Timed out after 3 seconds waiting for clients. 1/2 clients joined")."""
+    results = spawn(_store_and_collective_timeouts, nprocs=2, timeout_s=1, start_method=START_METHOD)
+    assert results == [(launcher.RENDEZVOUS_TIMEOUT_S, 1.0)] * 2
+
+
+def _rank_zero_evaluates_alone(seconds: float) -> float:
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    if dist.get_rank() == 0:
+        time.sleep(seconds)  # a final evaluation or a save on rank 0 only
+    return float(total)
+
+
+def test_rank_zero_working_alone_longer_than_the_collective_timeout_is_waited_for() -> None:
+    """Rank 1 returns at once and waits for rank 0 without a timeout, instead of failing the
+    closing barrier after 1 s and getting blamed when rank 0 is ended."""
+    results = spawn(_rank_zero_evaluates_alone, (4.0,), nprocs=2, timeout_s=1, start_method=START_METHOD)
+    assert results == [2.0, 2.0]
+
+
+# -- the failure report names what is known ---------------------------------------------------------
+
+
+def _every_rank_refuses_the_strategy() -> None:
+    model = torch.nn.Linear(2, 2)
+    strategy = Strategy(sharding=ShardingConfig(degree=3))  # does not divide the world size 2
+    ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), strategy=strategy)
+
+
+def test_the_same_error_on_every_rank_is_reported_once_naming_every_rank() -> None:
+    with pytest.raises(mp.ProcessRaisedException) as caught:
+        spawn(_every_rank_refuses_the_strategy, nprocs=2, start_method=START_METHOD)
+    message = str(caught.value)
+    assert "terminated with the following error (ranks [0, 1] raised the same error):" in message, message
+    assert message.count("degree to divide the world size 2") == 1, message
+    assert "followed from" not in message and "Other ranks" not in message, message
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__  # printed once
+
+
+def _write_failure(folder: Path, rank: int, stamp: float, last_line: str) -> str:
+    trace = f"Traceback (most recent call last):\n  ...\n{last_line}\n"
+    (folder / f"rank{rank}.error").write_text(f"{stamp!r}\n{trace}")
+    return trace
+
+
+def test_a_lost_connection_is_a_consequence_even_when_it_came_first(tmp_path: Path) -> None:
+    _write_failure(tmp_path, 0, 1.0, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    trace = _write_failure(tmp_path, 1, 2.0, "ValueError: bad batch on rank 1")
+    outcome = rank_failures.RankOutcome(tmp_path, pids=[100, 101], exit_codes=[1, 1], grace_s=5.0)
+    reported = mp.ProcessRaisedException("-- Process 0 terminated ...", 0, 100)
+    with pytest.raises(mp.ProcessRaisedException) as caught:
+        rank_failures.raise_root_cause(reported, outcome)
+    assert caught.value.error_index == 1
+    assert str(caught.value) == (
+        f"\n\n-- Process 1 terminated with the following error:\n{trace}\n"
+        "Ranks that then lost their connection to a failed peer:\n"
+        "  rank 0: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1"
+    )
+
+
+def test_different_errors_of_their_own_are_listed_not_attributed(tmp_path: Path) -> None:
+    trace = _write_failure(tmp_path, 2, 1.0, "KeyError: 'labels'")
+    _write_failure(tmp_path, 0, 2.0, "ValueError: bad batch on rank 0")
+    outcome = rank_failures.RankOutcome(tmp_path, pids=[100, 101, 102], exit_codes=[1, None, 1], grace_s=5.0)
+    reported = mp.ProcessRaisedException("-- Process 0 terminated ...", 0, 100)
+    with pytest.raises(mp.ProcessRaisedException) as caught:
+        rank_failures.raise_root_cause(reported, outcome)
+    assert str(caught.value) == (
+        f"\n\n-- Process 2 terminated with the following error:\n{trace}\n"
+        "Other ranks raised errors of their own:\n"
+        "  rank 0: ValueError: bad batch on rank 0\n"
+        "ranks [1] were still running 5 s after the first failure and were ended"
+    )
+
+
+# -- nothing aborts at exit -------------------------------------------------------------------------
+
+
+class _SlowExit:
+    """Held by a module global: collected while the interpreter finalizes, it keeps the rank
+    there for a while, as flushing logs or closing files would."""
+
+    def __del__(self) -> None:
+        time.sleep(4.0)
+
+
+def _refused_step(point_to_point: bool) -> None:
+    """Every rank raises from a refused step while overlap mode's reductions are in flight.
+
+    Rank 1 runs its last backward late, so rank 0's reductions land while rank 0 finalizes.
+    """
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    wrapped = torch.optim.AdamW(model.parameters())
+    strategy = Strategy(sharding=ShardingConfig(bucket_size_mb=0.001, gloo_point_to_point=point_to_point))
+    opt = ShardingStage1(wrapped, overlap=True, model=model, strategy=strategy)
+    for _ in range(2):
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    if dist.get_rank() == 0:
+        globals()["_slow_exit"] = _SlowExit()
+    else:
+        time.sleep(1.5)
+    model(torch.randn(2, 64)).sum().backward()
+    wrapped.step()  # refused: "this AdamW is wrapped by ShardingStage1"
+
+
+_SPAWN_A_REFUSED_STEP = """
+import sys
+from sharded_opt import launcher
+from tests.test_launcher import _refused_step
+
+measure = launcher.exit_codes_after_first_failure
+def exit_codes(processes, grace_s):
+    codes = measure(processes, grace_s)
+    print("exit codes", codes, flush=True)
+    return codes
+launcher.exit_codes_after_first_failure = exit_codes
+launcher.FAILURE_GRACE_S = 120.0  # every rank ends on its own, however loaded the machine
+launcher.spawn(_refused_step, (sys.argv[1] == "p2p",), nprocs=2)
+"""
+
+
+@pytest.mark.parametrize("path", ["collectives", "p2p"])
+def test_a_refused_step_exits_with_its_error_and_nothing_aborts(path: str) -> None:
+    """Reductions in flight when a rank raises used to end it in SIGABRT at exit ("terminate
+    called without an active exception"): Note [No Python on gloo's threads]."""
+    run = subprocess.run(
+        [sys.executable, "-c", _SPAWN_A_REFUSED_STEP, path],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        timeout=600,
+    )
+    assert "terminate called" not in run.stderr and "Fatal Python error" not in run.stderr, run.stderr
+    assert "exit codes [1, 1]" in run.stdout, (run.stdout, run.stderr)
+    assert run.returncode == 1, run.stderr
+    assert "ranks [0, 1] raised the same error" in run.stderr, run.stderr
+    assert "this AdamW is wrapped by ShardingStage1" in run.stderr, run.stderr
