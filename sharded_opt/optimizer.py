@@ -350,6 +350,7 @@ class ShardingStage1(torch.optim.Optimizer):
         having no grad, exactly as after torch's ``zero_grad()``: a param that no backward
         reaches before the next ``step()`` is not stepped.
         """
+        self._refuse_converted_before_zero_grad()
         self._comm.finish_grad_sync()
         if not set_to_none:
             # torch's zero_grad(set_to_none=False) leaves a None grad None (a layer whose grads
@@ -739,17 +740,20 @@ class ShardingStage1(torch.optim.Optimizer):
             moved = [index for index in self._buffers.detached_params() if self._buffers.owns(index)]
         self._refuse_reshaped(moved)
 
+    def _refuse_converted_before_zero_grad(self) -> None:
+        """``zero_grad()`` points every grad at its buffer view again; a param that
+        ``model.half()`` or ``model.to(...)`` moved out of the buffers (or gave a new shape) is
+        refused with the fix, instead of torch's "assign a gradient with dtype 'float' to a
+        tensor with grad_dtype 'Half'"; see Note [Params replaced after wrapping]."""
+        with torch._C.DisableTorchFunction():  # plain pointer reads, never the read guard's waits
+            if not self._buffers.any_param_detached():
+                return
+            moved = [index for index in self._buffers.detached_params() if self._buffers.owns(index)]
+        self._refuse_converted(moved)
+        self._refuse_reshaped(moved)
+
     def _refuse_unadoptable(self, moved: list[int]) -> None:
-        converted = [(index, self._buffers.conversion_of(index)) for index in sorted(moved)]
-        converted = [(index, change) for index, change in converted if change is not None]
-        if converted:
-            index, change = converted[0]
-            raise RuntimeError(
-                f"ShardingStage1: param {self._describe_param(index)} {change} ({len(converted)} "
-                "param(s) converted, e.g. by model.half() or model.to(...) after wrapping), so it "
-                "no longer lives in the flat buffers and updates would be lost. Cast or move the "
-                "model before building the optimizer and wrapping it"
-            )
+        self._refuse_converted(moved)
         self._refuse_reshaped(moved)
         params = self._buffers.params
         flat = {buffer.untyped_storage().data_ptr() for buffer in self._buffers.param_buffers}
@@ -760,6 +764,18 @@ class ShardingStage1(torch.optim.Optimizer):
                 "param's memory (`param.data = other.data`); the wrapper keeps every param in a slot "
                 "of its own, so the two would no longer be tied. Tie params before building the "
                 "optimizer (`module.weight = other.weight`) and wrap it then"
+            )
+
+    def _refuse_converted(self, moved: list[int]) -> None:
+        converted = [(index, self._buffers.conversion_of(index)) for index in sorted(moved)]
+        converted = [(index, change) for index, change in converted if change is not None]
+        if converted:
+            index, change = converted[0]
+            raise RuntimeError(
+                f"ShardingStage1: param {self._describe_param(index)} {change} ({len(converted)} "
+                "param(s) converted, e.g. by model.half() or model.to(...) after wrapping), so it "
+                "no longer lives in the flat buffers and updates would be lost. Cast or move the "
+                "model before building the optimizer and wrapping it"
             )
 
     def _refuse_reshaped(self, moved: list[int]) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, save_checkpoint
 from tests.dist_helper import run_ranks
-from tests.training import GLOBAL_BATCH, make_model
+from tests.training import GLOBAL_BATCH, IN_FEATURES, make_model
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,17 @@ def _model_cast_after_wrapping() -> None:
     optimizer.step()
 
 
+def _model_cast_after_a_step_then_zero_grad() -> None:
+    """The usual loop after ``model.half()``: zero_grad() first (torch's own error there said
+    "assign a gradient with dtype 'float' to a tensor with grad_dtype 'Half'")."""
+    model = make_model()
+    optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    model(torch.randn(4, IN_FEATURES)).sum().backward()
+    optimizer.step()
+    model.half()
+    optimizer.zero_grad()
+
+
 def _wrapper() -> ShardingStage1:
     return ShardingStage1(torch.optim.SGD(make_model().parameters(), lr=0.1))
 
@@ -222,6 +233,9 @@ CASES = [
     BadInput("model_cast_after_wrapping", _model_cast_after_wrapping, RuntimeError,
              r"param 0 \(optimizer order\) is now torch.float16 but was laid out as torch.float32 .*"
              "Cast or move the model before building the optimizer and wrapping it"),
+    BadInput("model_cast_then_zero_grad", _model_cast_after_a_step_then_zero_grad, RuntimeError,
+             r"param 0 \(optimizer order, 'scale'\) is now torch.float16 but was laid out as "
+             "torch.float32 .*Cast or move the model before building the optimizer and wrapping it"),
     BadInput("pickle_the_wrapper", lambda: pickle.dumps(_wrapper()), TypeError,
              r"cannot be pickled or copied: it holds a process group, the flat buffers .*opt.state_dict\(\)"),
     BadInput("deepcopy_the_wrapper", lambda: copy.deepcopy(_wrapper()), TypeError,
