@@ -2,12 +2,12 @@
 
 Note [Checkpoint layout]
     Every rank writes only what it owns. An element-wise state tensor of a param (``exp_avg``,
-    ...) is saved as a 1-D ``ShardedTensor`` of the param's numel whose local shard is the piece
-    of the param inside this rank's flat shard; its global metadata is computed from the layout
-    plan, which every rank knows. Loading on a different number of ranks builds the same kind of
-    tensor for the new layout and DCP reads each new piece from whichever saved pieces overlap
-    it. Only params that have state (have been stepped) get entries, as in torch's format; which
-    ones, with which keys and dtypes, is read back from the checkpoint's metadata. Each param's
+    ...) is saved as a 1-D tensor of the param's numel of which this rank writes the piece of
+    the param inside its flat shard (a ``ParamPiece``, Note [Pieces without ShardedTensor] in
+    ``checkpoint_pieces``). Loading on a different number of ranks asks for the pieces of the
+    new layout and DCP reads each from whichever saved pieces overlap it. Only params that have
+    state (have been stepped) get entries, as in torch's format; which ones, with which keys and
+    dtypes, is read back from the checkpoint's metadata. Each param's
     scalar state (its own ``step``), the model's state dict (full tensors, the same on every rank)
     and hyperparameters (tensors whose entry name records the Python type: int stays int, a
     Tensor lr stays a Tensor) are replicated entries that DCP writes once.
@@ -36,12 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fusion.layout import ShardPiece
+from sharded_opt.checkpoint_pieces import ParamPiece, PieceLoadPlanner, PieceSavePlanner
 from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.inner_optimizer import load_param_states, param_states
 from sharded_opt.state_dict import describe_param_states, local_pieces
@@ -78,7 +75,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
         shutil.rmtree(staging, ignore_errors=True)
     dist.barrier(group=group)
     state = {**_model_entries(model), **_save_entries(optimizer)}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), process_group=group)
+    dcp.save(
+        state, storage_writer=dcp.FileSystemWriter(staging), planner=PieceSavePlanner(), process_group=group
+    )
     dist.barrier(group=group)
     if optimizer.rank == 0:
         _publish(staging, final)
@@ -106,7 +105,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
     reader = dcp.FileSystemReader(folder)
     meta = {_META_NUM_PARAMS: torch.zeros((), dtype=torch.int64)}
     try:
-        dcp.load(meta, storage_reader=reader, process_group=optimizer.process_group)
+        _load(meta, reader, optimizer)
         saved = reader.read_metadata().state_dict_metadata
     except CheckpointException as error:
         raise ValueError(
@@ -123,7 +122,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
     model_entries = {key: value.detach().clone() for key, value in _model_entries(model).items()}
     state = {**model_entries, **plan.entries}
     try:
-        dcp.load(state, storage_reader=reader, process_group=optimizer.process_group)
+        _load(state, reader, optimizer)
     except CheckpointException as error:  # a BaseException: it would slip past `except Exception`
         raise ValueError(
             f"load_checkpoint: {folder} could not be read (damaged files, or written for another model "
@@ -135,6 +134,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
     plan.install(state)
 
 
+def _load(state: dict[str, Any], reader: dcp.FileSystemReader, optimizer: ShardingStage1) -> None:
+    dcp.load(state, storage_reader=reader, planner=PieceLoadPlanner(), process_group=optimizer.process_group)
+
+
 def _check_all_ranks_enter(function: str, optimizer: ShardingStage1) -> None:
     fix = f"Call {function}(path, model, opt) on every rank; each rank reads or writes its own shard"
     check_all_ranks_enter(function, fix, optimizer.process_group, optimizer.collective_entry_timeout_s)
@@ -144,9 +147,9 @@ def _model_entries(model: nn.Module) -> dict[str, Tensor]:
     return {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
 
 
-def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ShardedTensor]:
+def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ParamPiece]:
     """DCP entries for the optimizer, see Note [Checkpoint layout]."""
-    entries: dict[str, Tensor | ShardedTensor] = {
+    entries: dict[str, Tensor | ParamPiece] = {
         _META_NUM_PARAMS: torch.tensor(len(optimizer._buffers.params), dtype=torch.int64)
     }
     for group_index, group in enumerate(optimizer.param_groups):
@@ -182,7 +185,7 @@ class _LoadPlan:
         self._saved = saved
         per_param = _PerParamEntries(optimizer, writing=False)
         device = optimizer.plan.buckets[0].device
-        self.entries: dict[str, Tensor | ShardedTensor] = {}
+        self.entries: dict[str, Tensor | ParamPiece] = {}
         self._local: dict[str, tuple[int, str | None, Tensor]] = {}
         for name, meta in saved.items():
             parsed = _parse_state_name(name)
@@ -249,70 +252,28 @@ def _parse_state_name(name: str) -> tuple[int, str | None] | None:
 
 class _PerParamEntries:
     """Turns this rank's piece of a param into the param's checkpoint entry, see Note
-    [Checkpoint layout]. With hybrid sharding the entries describe one replica's shard group:
-    the first replica's when ``writing`` (only it writes, so each piece is written once), this
-    rank's own when reading (every replica reads its pieces)."""
+    [Checkpoint layout]. With hybrid sharding only the first replica of each shard writes (so
+    each piece is written once); every replica reads its own pieces."""
 
     def __init__(self, optimizer: ShardingStage1, writing: bool) -> None:
         self._optimizer = optimizer
         self.pieces = local_pieces(optimizer)
         groups = optimizer.shard_groups
         self._writes = not writing or groups.replica_rank == 0 or not optimizer._comm.sharded
-        row = groups.grid[0] if writing else groups.grid[groups.replica_rank]
-        self._every_rank = _pieces_of_every_rank(optimizer, row) if optimizer._comm.sharded else {}
 
-    def entry(self, index: int, local: Tensor | None, dtype: torch.dtype) -> Tensor | ShardedTensor:
+    def entry(self, index: int, local: Tensor | None, dtype: torch.dtype) -> Tensor | ParamPiece:
         """``local`` holds this rank's elements of param ``index`` (None: this rank has none)."""
         numel = self._optimizer._buffers.params[index].numel()
         if not self._optimizer._comm.sharded:
             if local is None:
                 raise RuntimeError(f"checkpoint: unsharded state of param {index} is missing")
             return local
-        if not self._writes:
-            local = None
         piece = self.pieces.get(index) if self._writes else None
-        return _sharded_view(self._optimizer, local, dtype, numel, piece, self._every_rank[index])
-
-
-def _pieces_of_every_rank(
-    optimizer: ShardingStage1, row: tuple[int, ...]
-) -> dict[int, list[tuple[int, ShardPiece]]]:
-    """Per param, the global rank of ``row`` (a shard group) holding each of its pieces."""
-    result: dict[int, list[tuple[int, ShardPiece]]] = {}
-    for bucket in optimizer.plan.buckets:
-        for shard_rank, global_rank in enumerate(row):
-            for piece in bucket.shard_pieces(shard_rank):
-                result.setdefault(piece.param_index, []).append((global_rank, piece))
-    return result
-
-
-def _sharded_view(
-    optimizer: ShardingStage1,
-    local: Tensor | None,
-    dtype: torch.dtype,
-    numel: int,
-    local_piece: ShardPiece | None,
-    every_rank: list[tuple[int, ShardPiece]],
-) -> ShardedTensor:
-    """A 1-D ShardedTensor over the whole param whose local shard is ``local``."""
-    device = optimizer.plan.buckets[0].device
-
-    def metadata_of(global_rank: int, piece: ShardPiece) -> ShardMetadata:
-        return ShardMetadata([piece.param_start], [piece.numel], f"rank:{global_rank}/{device}")
-
-    local_shards = []
-    if local_piece is not None:
-        if local is None or local.numel() != local_piece.numel:
+        if piece is None:
+            return ParamPiece(None, 0, numel, dtype)
+        if local is None or local.numel() != piece.numel:
             raise RuntimeError("checkpoint: a local state piece does not match the layout")
-        local_shards.append(Shard(local, metadata_of(dist.get_rank(), local_piece)))
-    metadata = ShardedTensorMetadata(
-        [metadata_of(rank, piece) for rank, piece in every_rank],
-        torch.Size([numel]),
-        TensorProperties(dtype=dtype),
-    )
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local_shards, metadata, process_group=optimizer.process_group
-    )
+        return ParamPiece(local, piece.param_start, numel, dtype)
 
 
 def _hyperparameter_entries(group_index: int, group: dict[str, Any]) -> dict[str, Tensor]:

@@ -3,6 +3,7 @@ stopped (bitwise when M == N, to parity tolerance otherwise)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,56 @@ def test_incomplete_checkpoint_is_refused(tmp_path: Path) -> None:
     (partial / "__0_0.distcp").write_bytes(b"half a shard")
     messages = run_ranks(_load_missing, 1, str(tmp_path / "ckpt.partial"))
     assert "no complete checkpoint" in messages[0]
+
+
+# -- no deprecated ShardedTensor; checkpoints written with it still load ----------------------------
+
+OLD_CHECKPOINT = Path(__file__).parent / "fixtures" / "checkpoint_sharded_tensor_2ranks"
+"""Written on 2 ranks by save_checkpoint as of commit 13a17a4, when state pieces were
+ShardedTensors: ``make_model()``, AdamW with two groups (``make_optimizer("adamw_groups")``),
+``ShardingConfig(bucket_size_mb=0.001)`` (params cut between the ranks), ``_sharded_steps`` over
+steps 0-2, then group 0's lr halved. ``checkpoint_sharded_tensor_2ranks.expected_optimizer.pt``
+holds that optimizer's ``state_dict()`` at the save."""
+
+
+def _save_and_load_without_future_warnings(path: str) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch deprecates ShardedTensor with one
+        model = make_model()
+        optimizer = _wrap(model, overlap=True, mixed=False)
+        _sharded_steps(model, optimizer, range(2))
+        save_checkpoint(path, model, optimizer)
+        model = make_model(seed=99)
+        load_checkpoint(path, model, _wrap(model, overlap=False, mixed=False))
+    return "no warning"
+
+
+def test_save_and_load_emit_no_future_warning(tmp_path: Path) -> None:
+    assert run_ranks(_save_and_load_without_future_warnings, 2, str(tmp_path / "ckpt")) == ["no warning"] * 2
+
+
+def _load_old_checkpoint(path: str) -> dict:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model = make_model(seed=99)
+        strategy = Strategy(sharding=ShardingConfig(bucket_size_mb=0.001))
+        optimizer = ShardingStage1(make_optimizer(OPTIMIZER, model), model=model, strategy=strategy)
+        load_checkpoint(path, model, optimizer)
+        state = optimizer.state_dict()
+    return {"optimizer": state, "model": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_checkpoint_written_with_sharded_tensors_still_loads(world_size: int) -> None:
+    expected = torch.load(
+        OLD_CHECKPOINT.with_name(OLD_CHECKPOINT.name + ".expected_optimizer.pt"), weights_only=True
+    )
+    unloaded = make_model(seed=99).state_dict()  # what the ranks load into
+    for loaded in run_ranks(_load_old_checkpoint, world_size, str(OLD_CHECKPOINT)):
+        assert loaded["optimizer"]["param_groups"] == expected["param_groups"]
+        assert loaded["optimizer"]["state"].keys() == expected["state"].keys()
+        for index, want in expected["state"].items():
+            for key, value in want.items():
+                assert torch.equal(loaded["optimizer"]["state"][index][key], value), (index, key)
+        assert loaded["model"].keys() == unloaded.keys()
+        assert not torch.equal(loaded["model"]["fc1.weight"], unloaded["fc1.weight"])
