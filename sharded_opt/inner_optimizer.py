@@ -43,7 +43,28 @@ def build_inner_optimizer(
     for group_index, group in enumerate(optimizer.param_groups):
         params = [p for s in shards if s.bucket.group_index == group_index for p in s.inner_params]
         groups.append({**hyperparameters(group), "params": params})
-    return type(optimizer)(groups, **constructor_kwargs(optimizer))
+    inner = type(optimizer)(groups, **constructor_kwargs(optimizer))
+    _copy_settings(optimizer, inner)
+    return inner
+
+
+_SETTING_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _copy_settings(optimizer: torch.optim.Optimizer, inner: torch.optim.Optimizer) -> None:
+    """Give ``inner`` the settings ``optimizer``'s constructor kept outside ``defaults``.
+
+    The inner optimizer is built from the defaults the constructor accepts; a class may keep
+    other constructor arguments as attributes only (``lion_pytorch.Lion`` keeps
+    ``decoupled_weight_decay`` as ``self.decoupled_wd`` and its initial lr as ``self._init_lr``),
+    and rebuilt without them it would step silently differently. So every plain-data attribute
+    that the constructor set on both (scalars, strings, dtypes: never a tensor, a param or a
+    method bound to the wrapped optimizer) is copied where the two differ.
+    """
+    built = vars(inner)
+    for key, value in vars(optimizer).items():
+        if key in built and isinstance(value, _SETTING_TYPES) and built[key] != value:
+            setattr(inner, key, value)
 
 
 def check_steps(

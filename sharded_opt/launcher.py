@@ -205,8 +205,10 @@ def spawn(
 
     Raises:
         ValueError / TypeError: bad ``nprocs`` or ``devices``, or an unpicklable ``fn``.
-        torch.multiprocessing.ProcessRaisedException: a rank raised; the message names the rank
-            that failed first and carries its traceback, and the other ranks are ended. This
+        torch.multiprocessing.ProcessRaisedException: a rank raised; the message carries the
+            traceback of the first rank's own error, names every rank that raised the same one
+            and lists the others' (Note [Attribute only what is known] in ``rank_failures``);
+            the other ranks are ended. This
             includes spawn's own steps after ``fn`` returned: a return value that cannot be
             pickled ("cannot pickle the lock returned by fn on rank 1"), a group that a failed
             collective left unusable ("the closing barrier with the other ranks failed").

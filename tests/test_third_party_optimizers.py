@@ -23,6 +23,8 @@ OPTIMIZERS = {
     "adamw_schedulefree": lambda params: AdamWScheduleFree(params, lr=0.02, warmup_steps=3),
     "sgd_schedulefree": lambda params: SGDScheduleFree(params, lr=0.05, warmup_steps=2, weight_decay=0.01),
     "lion": lambda params: Lion(params, lr=1e-3, weight_decay=0.1),
+    # kept outside the defaults, as attributes (decoupled_wd, _init_lr)
+    "lion_decoupled": lambda params: Lion(params, lr=1e-3, weight_decay=0.1, decoupled_weight_decay=True),
 }
 
 
