@@ -76,11 +76,12 @@ Note [No Python on gloo's threads]
     ends gloo's C++ thread with a forced unwind, and the process aborts with ``terminate called
     without an active exception`` (SIGABRT, exit code -6, instead of the error's exit code 1).
     The helper threads are not daemons, so the interpreter joins them before it finalizes
-    (each ends when its collective completes or fails: at most the group's timeout). Measured
-    on the default GPT's 13 buckets, all in flight (``python -m benchmarks.gloo_p2p``, 2 ranks
-    on loopback, 15 interleaved rounds on a loaded machine): the all-to-all reduce-scatter took
-    23.2 ms with the callback and 23.1 ms with the thread. Accelerator tensors on gloo keep the
-    callback: their future carries the streams the sum must run on.
+    (each ends when its collective completes or fails: at most the group's timeout). The price
+    is a thread start per bucket: on the default GPT's 13 buckets, all in flight (``python -m
+    benchmarks.gloo_p2p``, 2 ranks on loopback, interleaved medians, a shared loaded machine),
+    the all-to-all reduce-scatter took 23.1 against 23.2 ms with the callback, then 13.9 against
+    11.3, 14.7 against 13.9 and 17.1 against 15.2 ms: up to 0.2 ms per bucket. Accelerator
+    tensors on gloo keep the callback: their future carries the streams the sum must run on.
 
 torch 2.13 renamed ``reduce_scatter_tensor``/``all_gather_into_tensor`` to
 ``reduce_scatter_single``/``all_gather_single`` and warns on the old names; older releases only
