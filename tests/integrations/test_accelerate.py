@@ -51,7 +51,7 @@ def _run(sharded: bool, epochs: range, save_to: str | None, load_from: str | Non
     if load_from is not None:
         accelerator.load_state(load_from)
     result: dict = {"losses": [], "norms": [], "lrs": [], "model_type": type(model).__name__}
-    for _ in epochs:
+    for epoch in epochs:
         for batch in loader:
             with accelerator.accumulate(model):
                 loss = model(input_ids=batch, labels=batch).loss
@@ -63,7 +63,7 @@ def _run(sharded: bool, epochs: range, save_to: str | None, load_from: str | Non
                 scheduler.step()
                 optimizer.zero_grad()
             result["losses"].append(accelerator.reduce(loss.detach(), "mean").item())
-        if save_to is not None:
+        if save_to is not None and epoch == 0:
             accelerator.save_state(save_to)
     result["params"] = params_of(model)
     inner = sharded_optimizer(optimizer)
