@@ -25,11 +25,13 @@ SAMPLES = 32
 of accumulation per epoch."""
 
 LOSS_ATOL = 1e-5
-PARAM_ATOL = 1e-5
 NORM_RTOL = 1e-5
-"""Bounds for summation order only. Measured per framework (8 AdamW steps, lr 1e-2, clipping
-active; the numbers are in each test module's docstring and in docs/trainers.md): losses within
-a few 1e-7 (often bitwise), logged norms within 1e-6 relative, params within 4e-6."""
+PARAM_ATOL = 5e-5
+"""Bounds for summation order only. Measured with Accelerate (8 AdamW steps, lr 1e-2, clipping
+active): losses within 4.8e-7, logged norms within 1.1e-7 relative, every param within 6e-7
+except the key third of ``c_attn.bias``, whose grad is zero in exact arithmetic (softmax ignores
+a per-query constant) and is rounding noise that AdamW normalizes to lr-sized steps: 1.3e-5
+there, where DDP on the same 2 ranks differs from the one-process run by 1.2e-5 as well."""
 
 
 def quiet_rank() -> None:
@@ -80,13 +82,12 @@ def shared_folder() -> Iterator[str]:
     name = [tempfile.mkdtemp() if not initialized or dist.get_rank() == 0 else None]
     if initialized:
         dist.broadcast_object_list(name, src=0)
-    try:
-        yield name[0]
-    finally:
-        if initialized:
-            dist.barrier()
-        if not initialized or dist.get_rank() == 0:
-            shutil.rmtree(name[0])
+    yield name[0]
+    # Not in a `finally`: a rank that raised must not wait here for peers that wait for it.
+    if initialized:
+        dist.barrier()
+    if not initialized or dist.get_rank() == 0:
+        shutil.rmtree(name[0])
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -96,10 +97,15 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def measured(sharded: dict, plain: dict) -> dict[str, float]:
     """Max differences of losses, logged norms (relative) and final params."""
+    assert len(sharded["losses"]) == len(plain["losses"]), (sharded["losses"], plain["losses"])
     losses = torch.tensor(sharded["losses"], dtype=torch.float64)
     plain_losses = torch.tensor(plain["losses"], dtype=torch.float64)
-    result = {"loss": (losses - plain_losses).abs().max().item(), "param": max_diff(sharded["params"], plain["params"])}
+    result = {
+        "loss": (losses - plain_losses).abs().max().item(),
+        "param": max_diff(sharded["params"], plain["params"]),
+    }
     if "norms" in plain:
+        assert len(sharded["norms"]) == len(plain["norms"]), (sharded["norms"], plain["norms"])
         norms = torch.tensor(sharded["norms"], dtype=torch.float64)
         plain_norms = torch.tensor(plain["norms"], dtype=torch.float64)
         result["norm_rel"] = ((norms - plain_norms).abs() / plain_norms).max().item()
@@ -107,14 +113,9 @@ def measured(sharded: dict, plain: dict) -> dict[str, float]:
 
 
 def assert_close_run(sharded: dict, plain: dict) -> None:
-    """Losses, logged grad norms and final params of a sharded run agree with the plain one."""
-    print("measured against the one-process run:", measured(sharded, plain))
-    losses = torch.tensor(sharded["losses"], dtype=torch.float64)
-    plain_losses = torch.tensor(plain["losses"], dtype=torch.float64)
-    assert losses.shape == plain_losses.shape, (sharded["losses"], plain["losses"])
-    assert (losses - plain_losses).abs().max().item() <= LOSS_ATOL, (sharded["losses"], plain["losses"])
-    if "norms" in plain:
-        norms = torch.tensor(sharded["norms"], dtype=torch.float64)
-        assert norms.shape == (len(plain["norms"]),), (sharded["norms"], plain["norms"])
-        torch.testing.assert_close(norms, torch.tensor(plain["norms"], dtype=torch.float64), rtol=NORM_RTOL, atol=0)
-    assert max_diff(sharded["params"], plain["params"]) <= PARAM_ATOL
+    """Losses, logged grad norms and final params of a sharded run agree with the plain one
+    (``pytest -s`` shows the measured differences)."""
+    diffs = measured(sharded, plain)
+    print("measured against the one-process run:", diffs)
+    assert diffs["loss"] <= LOSS_ATOL and diffs["param"] <= PARAM_ATOL, diffs
+    assert diffs.get("norm_rel", 0.0) <= NORM_RTOL, diffs

@@ -39,6 +39,7 @@ def _run(sharded: bool, epochs: range, save_to: str | None, load_from: str | Non
     from sharded_opt.integrations.accelerate import ShardingStage1Accelerator, sharded_optimizer
 
     kwargs = {
+        "cpu": True,  # Accelerate runs CPU processes as one data-parallel job only when told so
         "gradient_accumulation_steps": ACCUMULATION,
         "dataloader_config": DataLoaderConfiguration(split_batches=True),
     }
@@ -50,7 +51,13 @@ def _run(sharded: bool, epochs: range, save_to: str | None, load_from: str | Non
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if load_from is not None:
         accelerator.load_state(load_from)
-    result: dict = {"losses": [], "norms": [], "lrs": [], "model_type": type(model).__name__}
+    result: dict = {
+        "losses": [],
+        "norms": [],
+        "lrs": [],
+        "model_type": type(model).__name__,
+        "num_processes": accelerator.num_processes,
+    }
     for epoch in epochs:
         for batch in loader:
             with accelerator.accumulate(model):
@@ -65,7 +72,7 @@ def _run(sharded: bool, epochs: range, save_to: str | None, load_from: str | Non
             result["losses"].append(accelerator.reduce(loss.detach(), "mean").item())
         if save_to is not None and epoch == 0:
             accelerator.save_state(save_to)
-    result["params"] = params_of(model)
+    result["params"] = params_of(accelerator.unwrap_model(model))
     inner = sharded_optimizer(optimizer)
     result["state_bytes"] = None if inner is None else inner.optimizer_state_bytes()
     return result
@@ -89,6 +96,7 @@ def test_accelerator_matches_one_process_run() -> None:
     plain = run_ranks(_train, 1, False, timeout_s=RANK_TIMEOUT_S)[0]
     sharded = run_ranks(_train, 2, True, timeout_s=RANK_TIMEOUT_S)
     for rank_result in sharded:
+        assert rank_result["num_processes"] == 2
         assert rank_result["model_type"] == "GPT2LMHeadModel"  # never DistributedDataParallel
         assert rank_result["lrs"] == plain["lrs"]  # the prepared scheduler steps as on one process
         assert_close_run(rank_result, plain)
