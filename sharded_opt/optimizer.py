@@ -117,6 +117,7 @@ from sharded_opt.inner_optimizer import (
     check_steps,
     copy_group_updates,
     hyperparameters,
+    indexed_groups,
     step_without_hooks,
 )
 from sharded_opt.local_shard import resolve_precision
@@ -287,6 +288,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._param_names: dict[int, str] = {}
         self._grads_reduced = False
         self._grads_at_step: tuple[list[int | None], list[bool]] | None = None
+        self._consolidated: _Consolidated | None = None
         self._num_params_per_group = [len(g["params"]) for g in optimizer.param_groups]
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
         self.state = ShardedStateView()  # type: ignore[assignment]  # Note [No per-param state]
@@ -313,6 +315,7 @@ class ShardingStage1(torch.optim.Optimizer):
         optimizer's ``step``. Returns the closure's result (the loss).
         """
         self._check_open()
+        self._consolidated = None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -383,9 +386,36 @@ class ShardingStage1(torch.optim.Optimizer):
             ValueError: ``norm_type`` is not positive.
             RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (on every rank).
         """
-        norm_type = float(norm_type)
-        if not norm_type > 0:
-            raise ValueError(f"clip_grad_norm_ expects norm_type > 0 (or inf) but got {norm_type}")
+        _check_norm_type("clip_grad_norm_", norm_type)
+        total = self.grad_norm(norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"clip_grad_norm_: the total norm of order {norm_type} is {total.item()}; set "
+                "error_if_nonfinite=False to clip anyway (grads then become nan)"
+            )
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in self._comm.local_grads():
+            grad.mul_(coefficient.to(grad.dtype))
+        self._grad_tracker.accept_grad_writes()
+        return total
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the averaged grads over every shard, without clipping (collective).
+
+        For logging what DDP users log with ``clip_grad_norm_(params, inf)`` or a separate
+        ``get_total_norm`` over ``param.grad``: here ``param.grad`` holds only this rank's local
+        grads, whose norm differs per rank. Like :meth:`clip_grad_norm_` it finishes the grad
+        reduction now (so call it between backward and ``step()``), takes each rank's shard norm
+        and combines them with one all-reduce of a scalar: the result equals
+        ``torch.nn.utils.get_total_norm`` over the unsharded averaged grads and is the same on
+        every rank. Params without a grad do not count. Grads are not changed, so calling it
+        before :meth:`clip_grad_norm_` or ``step()`` changes nothing they compute.
+
+        Raises:
+            ValueError: ``norm_type`` is not positive.
+        """
+        norm_type = _check_norm_type("grad_norm", norm_type)
         self._check_params_in_buffers()
         self._reduce_grads()
         grads = self._comm.local_grads()
@@ -400,17 +430,7 @@ class ShardingStage1(torch.optim.Optimizer):
         if self._comm.sharded:
             # Replicas hold equal shards after the replicate all-reduce: each element counts once.
             dist.all_reduce(local, op=op, group=self._comm.group)
-        total = local if norm_type == math.inf else local ** (1.0 / norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"clip_grad_norm_: the total norm of order {norm_type} is {total.item()}; set "
-                "error_if_nonfinite=False to clip anyway (grads then become nan)"
-            )
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.dtype))
-        self._grad_tracker.accept_grad_writes()
-        return total
+        return local if norm_type == math.inf else local ** (1.0 / norm_type)
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
@@ -619,22 +639,76 @@ class ShardingStage1(torch.optim.Optimizer):
 
         Hooks registered with ``register_state_dict_pre_hook``/``..._post_hook`` run around it,
         as in torch; post-hooks only on the ranks that get the state dict.
+
+        After :meth:`consolidate_state_dict` (torch ``ZeroRedundancyOptimizer``'s protocol),
+        ``state_dict()`` without ``to_rank`` is not collective until the next ``step()`` or
+        ``load_state_dict()``: on the rank the state was consolidated to it returns that state
+        (with the current param groups), on every other rank it raises.
+
+        Raises:
+            ValueError: ``to_rank`` is not a rank of the group.
+            RuntimeError: only some ranks called it (see Note [Collectives entered by some
+                ranks]), or it was called on another rank than the one :meth:`consolidate_state_dict`
+                gathered to.
         """
         if to_rank is not None and not 0 <= to_rank < self.world_size:
             raise ValueError(
                 f"ShardingStage1.state_dict expects to_rank in [0, {self.world_size}) but got {to_rank}"
             )
-        self.sync_params()
-        self._check_all_ranks_enter(
-            "state_dict", "Call opt.state_dict(to_rank=0) on every rank (the others get None)"
-        )
+        consolidated = self._consolidated if to_rank is None else None
+        if consolidated is None:
+            self.sync_params()
+            self._check_all_ranks_enter(
+                "state_dict", "Call opt.state_dict(to_rank=0) on every rank (the others get None)"
+            )
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state = state_dict_conversion.gather_state_dict(self, to_rank)
+        if consolidated is None:
+            state = state_dict_conversion.gather_state_dict(self, to_rank)
+        else:
+            state = self._consolidated_state_dict(consolidated)
         if state is not None:
             for post_hook in self._optimizer_state_dict_post_hooks.values():
                 state = _replaced_by(post_hook(self, state), state)
         return state
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full state on rank ``to`` of the group, for a later ``state_dict()`` there
+        (collective; torch ``ZeroRedundancyOptimizer``'s protocol).
+
+        Frameworks that save on one rank (Lightning's ``Strategy.optimizer_state``, code written
+        for torch's ZeRO) call this on every rank, then ``state_dict()`` on rank ``to`` alone.
+        Until the next ``step()`` or ``load_state_dict()``, ``state_dict()`` on rank ``to`` then
+        returns the gathered state without communicating, and raises on the other ranks. The
+        gathered state stays on rank ``to`` until then (as with :meth:`state_dict` ``(to_rank=to)``,
+        which is what this calls); the other ranks hold nothing extra.
+
+        Raises:
+            ValueError: ``to`` is not a rank of the group.
+            RuntimeError: only some ranks called it (see Note [Collectives entered by some ranks]).
+        """
+        if not 0 <= to < self.world_size:
+            raise ValueError(
+                f"ShardingStage1.consolidate_state_dict expects to in [0, {self.world_size}) but got {to}"
+            )
+        self._consolidated = None
+        self.sync_params()
+        self._check_all_ranks_enter(
+            "consolidate_state_dict", f"Call opt.consolidate_state_dict(to={to}) on every rank"
+        )
+        gathered = state_dict_conversion.gather_state_dict(self, to)
+        self._consolidated = _Consolidated(to, None if gathered is None else gathered["state"])
+
+    def _consolidated_state_dict(self, consolidated: _Consolidated) -> dict[str, Any]:
+        if consolidated.state is None:
+            raise RuntimeError(
+                f"ShardingStage1.state_dict: consolidate_state_dict(to={consolidated.rank}) gathered the "
+                f"state on rank {consolidated.rank}, so until the next step() only that rank's "
+                f"state_dict() returns it (this is rank {self.rank}). Call opt.state_dict() on rank "
+                f"{consolidated.rank} alone, or opt.state_dict() / opt.state_dict(to_rank=...) on every rank"
+            )
+        # The param groups are read now: a scheduler may have changed them since consolidating.
+        return {"state": consolidated.state, "param_groups": indexed_groups(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a standard ``torch.optim`` state dict (from a plain optimizer or from
@@ -648,6 +722,7 @@ class ShardingStage1(torch.optim.Optimizer):
             ValueError: wrong structure, number of groups or params, state keys of another
                 optimizer class or configuration, or state shapes that do not match the params.
         """
+        self._consolidated = None
         self.sync_params()
         self._check_all_ranks_enter("load_state_dict", "Call opt.load_state_dict(sd) on every rank")
         state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
@@ -1103,6 +1178,15 @@ class ShardingStage1(torch.optim.Optimizer):
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Consolidated:
+    """What :meth:`ShardingStage1.consolidate_state_dict` gathered: the rank it went to, and there
+    the ``"state"`` part of the state dict (None on the other ranks)."""
+
+    rank: int
+    state: dict[int, dict[str, Any]] | None
+
+
 def _resolve_config(strategy: Strategy | None, overlap: bool | None):
     if strategy is None:
         strategy = Strategy()
@@ -1122,6 +1206,13 @@ def _resolve_config(strategy: Strategy | None, overlap: bool | None):
             "enable=True for hybrid sharding, or degree=None for plain data parallel"
         )
     return config
+
+
+def _check_norm_type(api: str, norm_type: float) -> float:
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"ShardingStage1.{api} expects norm_type > 0 (or inf) but got {norm_type}")
+    return norm_type
 
 
 def _check_not_stepped(optimizer: torch.optim.Optimizer) -> None:
