@@ -34,7 +34,7 @@ from benchmarks.trace_analysis import profiler_options
 
 @dataclass(frozen=True, slots=True)
 class RunConfig:
-    """One comparison run; the defaults took 4 min 14 s on 2 idle CPU cores (2026-12-04)."""
+    """One comparison run; the defaults took 4 min 14 s on 2 otherwise idle CPU cores (2026-12-04)."""
 
     model: str = "default"
     micro_batch: int = 8

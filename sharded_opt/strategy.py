@@ -66,8 +66,8 @@ class ShardingConfig:
     (``--preset comm-bound``) was slower with it: overlap 883 against 769 ms per step. On one
     machine it costs the training thread time (gloo posts and copies the messages there):
     overlap/DDP 1.07-1.09 without, 1.22 with. So it is off; it may help only where a single
-    collective in flight per direction limits the link (not measured). See Note [Reduce-scatter on gloo] in ``sharded_opt/collectives.py`` and
-    ``benchmarks/results/2026-12-03-gloo-p2p-cpu-2core.md``."""
+    collective in flight per direction limits the link (not measured). See Note [Reduce-scatter
+    on gloo] in ``sharded_opt/collectives.py`` and ``docs/performance.md``."""
 
     broadcast_buffers: bool = True
     """DDP's option of the same name: with a model attached, copy every buffer (BatchNorm's
