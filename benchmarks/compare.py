@@ -1,10 +1,11 @@
 """``python -m benchmarks.compare``: DDP, ZeroRedundancyOptimizer and ShardingStage1 (sync and
 overlap) on the same GPT, data, seed and AdamW, measured interleaved in one process group.
 
-See ``--help``; the defaults finish in a few minutes on 2 CPU cores. Each mode is timed two
-ways, interleaved: short blocks that each end with ``sync_params()``, then long steady-state
-blocks. Two pseudo-modes, communication alone and compute alone, give the hidden share of
-communication and the distance to max(compute, comm). Writes ``results.json``,
+See ``--help``; the defaults took 4 min 14 s on 2 otherwise idle CPU cores
+(benchmarks/results/2026-12-04-cpu-2core.md). Each mode is timed two ways, interleaved: short
+blocks that each end with ``sync_params()``, then long steady-state blocks. Two pseudo-modes,
+communication alone and compute alone, give the hidden share of communication
+(``report.hidden_comm``) and the distance to max(compute, comm). Writes ``results.json``,
 ``step_times.png``, ``timeline_overlap.png`` (and ``scaling.png`` for several world sizes) and a
 Chrome trace of one overlap step per run into ``--out``; ``--profile`` adds one per mode.
 

@@ -26,7 +26,7 @@ stream, events and waits all run.
    all-gather time that overlaps compute kernels, see ``benchmarks/trace_analysis.py``.
 
 Each part runs in its own try block, so one failure still leaves the others' results in the
-JSON; the process exits 1 if any part failed. See README "GPU check" for the JSON fields.
+JSON; the process exits 1 if any part failed. See docs/accelerators.md for the JSON fields.
 """
 
 from __future__ import annotations

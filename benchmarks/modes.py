@@ -137,7 +137,7 @@ class CommOnlyRunner(Runner):
     def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
         optimizer = self.optimizer
         assert isinstance(optimizer, ShardingStage1)
-        comm = optimizer._comm  # no public comm-only entry point yet; see the benchmark README
+        comm = optimizer._comm  # no public comm-only entry point yet
         for bucket in optimizer.plan.buckets:
             comm.start_grad_sync(bucket.index)
         comm.finish_grad_sync()
@@ -242,9 +242,10 @@ def comm_bytes_per_step(runner: Runner, world_size: int) -> dict[str, float]:
         wire (N-1)/N * B + (N-1)/N * B = 2(N-1)/N * B (same as DDP up to padding).
       ZeroRedundancyOptimizer: DDP's all-reduce plus one broadcast of each param from its owner:
         payload 2P, wire >= 3(N-1)/N * P.
-    gloo has no native reduce-scatter (torch runs it as a full all-reduce); ShardingStage1 therefore
-    reduce-scatters and all-gathers CPU tensors on gloo over point-to-point, which sends the same
-    (N-1)/N * B each (see Note [Reduce-scatter on gloo] in sharded_opt/collectives.py).
+    gloo's own reduce-scatter is a full all-reduce; ShardingStage1 therefore reduce-scatters CPU
+    tensors on gloo as an all-to-all plus a local sum, and with ``gloo_point_to_point`` runs both
+    collectives as point-to-point messages; either way each sends the same (N-1)/N * B (see
+    Note [Reduce-scatter on gloo] in sharded_opt/collectives.py).
     """
     if world_size == 1 or runner.name == COMPUTE_ONLY:
         return {"payload": 0.0, "wire_per_rank": 0.0}

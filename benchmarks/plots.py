@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
+from matplotlib.patches import Patch  # noqa: E402
 
 from benchmarks.modes import LABELS, MODES, PSEUDO_MODES  # noqa: E402
 from benchmarks.report import bucket_label  # noqa: E402
@@ -55,11 +56,35 @@ def plot_scaling(runs: list[dict], path: Path) -> None:
 
 COMPUTE_PHASES = {"forward": "tab:blue", "backward": "tab:orange", "optimizer.step": "tab:green"}
 
+COLLECTIVE_COLOURS = {"reduce_scatter": "tab:red", "all_gather": "tab:purple", "other": "tab:gray"}
+"""Launch ticks and gloo work spans, by the collective they belong to."""
+
+COLLECTIVE_LABELS = {
+    "reduce_scatter": "grad reduce-scatter",
+    "all_gather": "param all-gather",
+    "other": "other (presence flags, buffer broadcast, barrier)",
+}
+
+
+def collective_kind(name: str) -> str:
+    """``reduce_scatter``, ``all_gather`` or ``other`` for a ``c10d::`` launch or a ``gloo:``
+    span. On gloo the wrapper's reduce-scatter of CPU tensors is an all-to-all plus a local sum
+    (``c10d::alltoall_base_``, ``gloo:all_to_all``), or point-to-point spans it names itself
+    (``gloo:reduce_scatter (point-to-point)``); Note [Reduce-scatter on gloo]. The small
+    all-reduce of the presence flags and the buffers' broadcast are ``other``."""
+    flat = name.lower().replace("_", "").replace(" ", "")
+    if "reducescatter" in flat or "alltoall" in flat:
+        return "reduce_scatter"
+    if "allgather" in flat:
+        return "all_gather"
+    return "other"
+
 
 def plot_timeline(events: list[dict], path: Path) -> None:
     """One overlap step on rank 0: compute phases on one row, each collective's launch (host
-    side) on the next, and gloo's own all-gather work on a third, on one time axis."""
-    figure, axes = plt.subplots(figsize=(10, 2.8))
+    side) on the next, and gloo's own work on a third, on one time axis; launches and gloo
+    work are coloured by :func:`collective_kind`, with a legend."""
+    figure, axes = plt.subplots(figsize=(10, 3.2))
     rows = {"compute": 2, "launch": 1, "gloo": 0}
     for event in events:
         start, end = event["start_us"] / 1e3, event["end_us"] / 1e3
@@ -68,20 +93,20 @@ def plot_timeline(events: list[dict], path: Path) -> None:
             axes.broken_barh([(start, end - start)], (rows["compute"] - 0.4, 0.8), color=COMPUTE_PHASES[name])
             axes.text(start, rows["compute"] + 0.45, name, fontsize=7)
         elif name.startswith("c10d::"):
-            color = "tab:red" if "reduce_scatter" in name else "tab:purple"
-            axes.axvline(start, ymin=0.34, ymax=0.64, color=color, linewidth=1.5)
+            color = COLLECTIVE_COLOURS[collective_kind(name)]
+            axes.plot(
+                [start, start], [rows["launch"] - 0.3, rows["launch"] + 0.3], color=color, linewidth=1.5
+            )
         elif name.startswith("gloo:"):
-            # gloo runs a reduce-scatter as an all-reduce, so gloo:all_reduce is the grad reduction
-            color = "tab:purple" if "gather" in name else "tab:red"
+            color = COLLECTIVE_COLOURS[collective_kind(name)]
             axes.broken_barh([(start, end - start)], (rows["gloo"] - 0.3, 0.6), color=color, alpha=0.5)
     axes.set_yticks(list(rows.values()))
-    axes.set_yticklabels(
-        [
-            "compute",
-            "launch (red: reduce-scatter,\npurple: all-gather)",
-            "gloo work (red: grad\nreduction, purple: gather)",
-        ]
-    )
+    axes.set_yticklabels(["compute", "launch (host)", "gloo work"])
+    axes.set_ylim(-0.6, 2.9)
+    handles = [
+        Patch(color=COLLECTIVE_COLOURS[kind], label=label) for kind, label in COLLECTIVE_LABELS.items()
+    ]
+    axes.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3)
     axes.set_xlabel("ms since the step began (rank 0)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)

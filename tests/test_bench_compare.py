@@ -9,8 +9,10 @@ import argparse
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from benchmarks import compare, netns, report
+from benchmarks import compare, netns, plots, report, session
 from benchmarks.modes import COMM_ONLY, COMPUTE_ONLY
 
 MS = 1e-3
@@ -68,6 +70,75 @@ def test_hidden_share_and_distance_to_the_bound_for_every_method():
     assert steady["overlap_vs_ddp"] == pytest.approx(0.191 / 0.201)
     lines = report.analysis_lines(_run())
     assert len(lines) == 2 and all("overlap / max(compute, comm)" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("t_sync", "t_overlap", "t_comm", "share", "raw", "said"),
+    [
+        # The main job's summary once printed "hidden 812% of comm" (block) and "-24%" (steady).
+        (0.4306, 0.2276, 0.025, 1.0, 8.12, "clamped from 812%: overlap saved more than comm alone"),
+        (0.5479, 0.5537, 0.0234, 0.0, -0.248, "clamped from -25%: overlap was slower than sync"),
+        (0.221, 0.191, 0.041, 0.030 / 0.041, 0.030 / 0.041, None),
+    ],
+)
+def test_hidden_share_is_between_0_and_1_and_shows_its_inputs(t_sync, t_overlap, t_comm, share, raw, said):
+    found = report.hidden_comm(t_sync, t_overlap, t_comm)
+    assert found["hidden_fraction"] == pytest.approx(share)
+    assert found["hidden_fraction_raw"] == pytest.approx(raw, abs=1e-3)
+    assert found["clamped"] == (said is not None)
+    text = report.hidden_comm_text(found)
+    assert f"sync - overlap {(t_sync - t_overlap) * 1e3:+.1f} ms, comm alone {t_comm * 1e3:.1f} ms" in text
+    assert (said in text) if said else "clamped" not in text
+
+
+@given(
+    t_sync=st.floats(0.01, 10.0),
+    t_overlap=st.floats(0.01, 10.0),
+    t_comm=st.floats(1e-4, 10.0),
+)
+def test_hidden_share_is_always_a_share(t_sync, t_overlap, t_comm):
+    found = report.hidden_comm(t_sync, t_overlap, t_comm)
+    assert 0.0 <= found["hidden_fraction"] <= 1.0
+    assert found["clamped"] == (found["hidden_fraction"] != found["hidden_fraction_raw"])
+
+
+def test_summary_and_sweep_clamp_the_hidden_share():
+    """Overlap 100 ms faster than sync with 40 ms of comm alone: a raw share of 250%."""
+    block = {"ddp": 0.200, "sync": 0.300, "overlap": 0.200, COMM_ONLY: 0.040, COMPUTE_ONLY: 0.180}
+    run = report.summarize_run(_ranks({k: [v] * 3 for k, v in block.items()}, {}), {}, 1024)
+    assert run["hidden_fraction"] == 1.0
+    assert run["methods"]["block"]["hidden_fraction"] == 1.0
+    assert run["methods"]["block"]["hidden_fraction_raw"] == pytest.approx(0.100 / 0.041)
+    assert "clamped from 244%" in report.analysis_lines(run)[0]
+    run["bucket_mb"] = None
+    for stats in run["modes"].values():
+        stats["steady_median_s"] = stats["median_s"]
+    rows = report.sweep_table([run]).splitlines()
+    assert rows[1].split()[5] == "100%*" and rows[-1].startswith("hidden: ")
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("c10d::alltoall_base_", "reduce_scatter"),  # gloo's reduce-scatter of CPU tensors
+        ("gloo:all_to_all", "reduce_scatter"),
+        ("gloo:reduce_scatter (point-to-point)", "reduce_scatter"),
+        ("c10d::_reduce_scatter_base_", "reduce_scatter"),
+        ("c10d::_allgather_base_", "all_gather"),
+        ("gloo:all_gather", "all_gather"),
+        ("gloo:all_gather (point-to-point)", "all_gather"),
+        ("c10d::allreduce_", "other"),  # the presence flags
+        ("c10d::broadcast_", "other"),
+    ],
+)
+def test_timeline_colours_each_collective_by_its_kind(name, kind):
+    assert plots.collective_kind(name) == kind
+    assert set(plots.COLLECTIVE_COLOURS) == set(plots.COLLECTIVE_LABELS)
+
+
+def test_progress_bar_labels_the_losses():
+    losses = {"ddp": [3.5, 2.25], "overlap": [3.5, 2.5], COMM_ONLY: [0.0], COMPUTE_ONLY: [1.0]}
+    assert session._loss_postfix(losses) == "last loss: ddp 2.250, overlap 2.500"
 
 
 def test_targets_use_steady_state_and_follow_the_link():
@@ -145,5 +216,10 @@ def test_tiny_run_profiles_every_mode(tmp_path):
     assert run["bucket_mb"] is None
     assert {"block", "steady"} == set(run["methods"])
     assert "overlap_vs_bound" in run["methods"]["steady"]
+    assert all(0.0 <= found["hidden_fraction"] <= 1.0 for found in run["methods"].values())
+    # The timeline's launch ticks include both kinds (once, every tick was drawn as all-gather).
+    launches = {plots.collective_kind(e["name"]) for e in run["timeline"] if e["name"].startswith("c10d::")}
+    assert {"reduce_scatter", "all_gather"} <= launches
+    assert (tmp_path / "timeline_overlap.png").stat().st_size > 0
     traces = sorted(path.name for path in (tmp_path / "profile_bauto").iterdir())
     assert traces == [f"trace_{name}_ws2.json" for name in sorted(["sync", "overlap", "comm", "compute"])]
