@@ -132,6 +132,9 @@ class FlatBuffers:
             return False
         if view is None:
             raise RuntimeError(f"FlatBuffers.adopt_grad: param {param_index}'s bucket has no grad buffer")
+        # The view itself may have been moved out of the buffer with the grad it was then
+        # (``model.to(torch.device("cpu", 0))`` copies it); its old values are overwritten here.
+        self._reattach_grad_view(param_index, keep_values=False)
         with torch.no_grad():
             if grad is None:
                 view.zero_()

@@ -153,7 +153,8 @@ def _reduce_scatter_by_all_to_all(
         average()
         return None
     if input.device.type == "cpu":  # Note [No Python on gloo's threads]
-        return run_after(work, average, "gloo:reduce_scatter (all-to-all)")
+        # Not a "gloo:" span: gloo's own "gloo:all_to_all" already shows the collective.
+        return run_after(work, average, "sharded_opt: sum of the all-to-all's slices")
     return work.get_future().then(average)
 
 
@@ -257,10 +258,11 @@ def run_after(works: Waitable, then: Callable[[], Any], name: str) -> Future:
     """A future fulfilled with ``then()``'s result once ``works`` completed and ``then()`` ran
     on a helper thread; it carries their error if any. See Note [No Python on gloo's threads].
 
-    The thread's wait and ``then()`` are one profiler span named ``name`` (``gloo:...``, the
-    prefix gloo's own collectives use), so a trace shows the collective in flight on a lane of
-    its own, as it shows gloo's collectives on gloo's worker threads
-    (``benchmarks/trace_analysis.py`` counts it as communication).
+    The thread's wait and ``then()`` are one profiler span named ``name``. For collectives
+    made of point-to-point messages it is ``gloo:...``, the prefix gloo's own collectives use,
+    so a trace shows the collective in flight on a lane of its own, as it shows gloo's
+    collectives on gloo's worker threads (``benchmarks/trace_analysis.py`` counts it as
+    communication); after one of gloo's collectives, which shows itself, it is another name.
     """
     future: Future = Future()
 

@@ -38,6 +38,22 @@ Note [Grads written after backward]
     again; assigning ``param.grad = g`` replaces the tensor rather than writing the buffer and
     is adopted as usual.
 
+Note [Grads written at the end of backward]
+    A data-parallel wrapper around the model writes the grads at the end of backward: DDP's
+    reducer averages each bucket as its grads arrive and copies the averages into ``param.grad``
+    in a callback queued on the backward's end; FSDP does the same with its shards. Hugging Face
+    Trainer, Accelerate and Lightning add such a wrapper after the optimizer was built, where
+    the constructor's check of ``model=`` cannot see it. The grads would be averaged twice and,
+    in overlap mode, read by the reductions while DDP writes them. So the first hook of every
+    backward queues an end-of-backward callback (in both modes; it also launches what overlap
+    mode left pending), and that one queues a last check, which runs after every callback
+    queued during backward: DDP's included. A grad buffer whose version moved since its last
+    hook was written by such a callback, and the error names the wrapper at once, in the first
+    backward, rather than at ``step()`` among the edits a user makes to grads. (A grad that
+    ``DistributedDataParallel(gradient_as_bucket_view=True)`` replaces instead of writing is
+    caught at the attached model's first forward, which runs inside the wrapper's, and at
+    ``step()``.)
+
 Note [Launching reductions during backward]
     In overlap mode the hook also counts the grads that landed in each bucket. When a bucket's
     count reaches its number of params that require grad, it is ready. Collectives must be
@@ -108,6 +124,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from fusion.buffers import FlatBuffers
+from sharded_opt.validation import DROP_DDP
 from sharded_opt.weak_hooks import CopiesAsInert, WeakMethodHook, remove_handles
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -165,6 +182,8 @@ class GradReadyTracker:
         self._laid_out_params = [buffers.params[index] for index in buffers.laid_out_indices]
         self._requires_grad_at_scan: bytes | None = None
         self._iteration = 0
+        self._backwards = 0
+        """Backwards ended so far; tells a retained graph's node hook it belongs to an old one."""
         _retire_older_hooks(self._laid_out_params)
         self.scan()
         self.reset()
@@ -180,8 +199,9 @@ class GradReadyTracker:
         self._counted = bytearray(len(self._buffers.params))
         self._next_to_launch = 0
         self._scanned = False
-        self._callback_queued = False
+        self._counted_any = False
         self._flushed_at_end = False
+        self._in_backward = False  # a backward that raised never ran its end
         self._iteration += 1
         self._grad_versions: list[int | None] = [None] * len(self._buckets)
 
@@ -198,7 +218,7 @@ class GradReadyTracker:
     @property
     def backward_unfinished(self) -> bool:
         """A backward counted grads but never reached its end (it raised midway)."""
-        return self._callback_queued and not self._flushed_at_end
+        return self._counted_any and not self._flushed_at_end
 
     def scan(self) -> None:
         """Re-read ``requires_grad``, see Note [Which params got a grad]."""
@@ -249,21 +269,43 @@ class GradReadyTracker:
         self._hooked = bytearray(len(self._buffers.params))
         self._requires_grad_at_scan = None
 
-    def _flush_at_end_of_backward(self) -> None:
+    def _begin_backward(self) -> None:
+        """The first hook of a backward: queue the work of its end."""
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
         enclosing = torch._C._current_autograd_node()
         if enclosing is not None:
             # See Note [End of backward under reentrant checkpointing].
-            enclosing.register_hook(WeakMethodHook(self._requeue_in_enclosing_backward, self._iteration))
+            enclosing.register_hook(WeakMethodHook(self._requeue_in_enclosing_backward, self._backwards))
             return
-        self._flushed_at_end = True
-        self.flush()
+        self._in_backward = False
+        self._backwards += 1
+        if self._counted_any:  # overlap mode counted grads in this iteration
+            self._flushed_at_end = True
+            self.flush()
+        # Queued now, it runs after every callback queued during backward; see Note [Grads
+        # written at the end of backward].
+        torch.autograd.Variable._execution_engine.queue_callback(self._refuse_data_parallel_writes)
 
     def _requeue_in_enclosing_backward(
-        self, iteration: int, grad_inputs: object, grad_outputs: object
+        self, backwards: int, grad_inputs: object, grad_outputs: object
     ) -> None:
         # A retained graph runs this node hook again in later backwards; only the first counts.
-        if iteration == self._iteration and not self._flushed_at_end:
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush_at_end_of_backward)
+        if backwards == self._backwards:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _refuse_data_parallel_writes(self) -> None:
+        written = self.grads_written_since_backward()
+        if written:
+            raise RuntimeError(
+                f"ShardingStage1: the grads of buckets {written[:8]} were written at the end of "
+                "backward, after they were accumulated: a DistributedDataParallel (or FSDP) wrapper "
+                "around the model does this (the accelerator of Hugging Face Trainer, Accelerate and "
+                "Lightning adds one after the optimizer was built: use the adapters of "
+                f"sharded_opt.integrations). It averages the grads a second time. {DROP_DDP}"
+            )
 
     def _count(self, param_index: int, bucket_index: int) -> None:
         """Overlap mode, outside ``no_sync()``: count the grad and launch what is ready, see
@@ -271,9 +313,7 @@ class GradReadyTracker:
         if self._counted[param_index] or bucket_index < self._next_to_launch:
             self._restart()
         self._counted[param_index] = 1
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush_at_end_of_backward)
+        self._counted_any = True
         counts = self._counts
         counts[bucket_index] += 1
         # Only a bucket that just completed can extend the launched prefix.
@@ -291,6 +331,7 @@ class GradReadyTracker:
         self._restart_grad_sync()
         self.reset()
         self._scanned = True  # this hook already scanned requires_grad
+        self._in_backward = True  # and this backward's end is queued
 
     def _launch_ready(self) -> None:
         while (
@@ -388,6 +429,8 @@ class _AccumulateGradHook(CopiesAsInert):
             tracker._note_grad_stream(bucket_index)
         if not tracker._scanned:
             tracker.scan()
+        if not tracker._in_backward:
+            tracker._begin_backward()
         if tracker._start_grad_sync is not None and not tracker.accumulate_only:
             tracker._count(index, bucket_index)
 

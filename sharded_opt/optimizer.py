@@ -546,7 +546,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._param_names = {
             index: names[id(param)] for index, param in enumerate(self._buffers.params) if id(param) in names
         }
-        self._hook_handles.append(register_eager_pre_hook(model, self._refuse_reshaped_before_forward))
+        self._hook_handles.append(register_eager_pre_hook(model, self._check_before_forward))
         self._broadcast_model_state(model)
         if self._broadcast_buffers and self.world_size > 1 and next(model.buffers(), None) is not None:
             self._buffer_broadcaster = BufferBroadcaster(model, self.process_group, self._first_rank())
@@ -801,19 +801,35 @@ class ShardingStage1(torch.optim.Optimizer):
         for index in moved:
             self._buffers.adopt_param(index)
 
-    def _refuse_reshaped_before_forward(self, module: nn.Module, args: tuple) -> None:
-        """Forward pre-hook of the attached model: a param that ``param.data = t`` gave another
-        shape (``model.resize_token_embeddings(n)`` after wrapping) is refused before a forward
-        with grad enabled, instead of by torch's shape error when the next backward adds its grad
-        to the old-shape grad view. Forwards without grad (``generate()``, evaluation) work, as in
-        torch; see Note [Params replaced after wrapping]."""
+    def _check_before_forward(self, module: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of the attached model, for forwards with grad enabled (forwards
+        without grad, ``generate()`` and evaluation, work as in torch).
+
+        A ``DistributedDataParallel`` added around the model after wrapping (as Hugging Face
+        Trainer, Accelerate and Lightning do) is refused at its first forward, see Note [Grads
+        written at the end of backward] in ``grad_hooks``. A param that ``param.data = t`` gave
+        another shape (``model.resize_token_embeddings(n)`` after wrapping) is refused instead of
+        by torch's shape error when the next backward adds its grad to the old-shape grad view,
+        see Note [Params replaced after wrapping]."""
         if not torch.is_grad_enabled():
             return
+        if nn.parallel.DistributedDataParallel._active_ddp_module is not None:
+            self._refuse_data_parallel(nn.parallel.DistributedDataParallel._active_ddp_module)
         with torch._C.DisableTorchFunction():  # plain pointer reads, never the read guard's waits
             if not self._buffers.any_param_detached():
                 return
             moved = [index for index in self._buffers.detached_params() if self._buffers.owns(index)]
         self._refuse_reshaped(moved)
+
+    def _refuse_data_parallel(self, wrapper: nn.Module) -> None:
+        ours = {id(param) for param in self._buffers.params}
+        if any(id(param) in ours for param in wrapper.parameters()):
+            raise RuntimeError(
+                "ShardingStage1: the model runs inside a DistributedDataParallel wrapper added "
+                "after the optimizer was wrapped (the accelerator of Hugging Face Trainer, Accelerate "
+                "and Lightning adds one: use the adapters of sharded_opt.integrations). It would "
+                f"average the grads a second time. {DROP_DDP}"
+            )
 
     def _refuse_converted_before_zero_grad(self) -> None:
         """``zero_grad()`` points every grad at its buffer view again; a param that

@@ -338,9 +338,71 @@ def _errors_with_ddp_kept() -> dict[str, str]:
     return errors
 
 
+def _ddp_added_after_wrapping() -> dict[str, tuple[str, str]]:
+    """What the frameworks do (the optimizer is wrapped, then the model is wrapped in DDP and
+    trained through it): per case, the phase that raised and its message."""
+    outcomes = {}
+    for case in ("sync", "overlap", "overlap_model", "bucket_view_model"):
+        model = make_model()
+        optimizer = ShardingStage1(
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            strategy=_strategy(case.startswith("overlap")),
+            model=model if case.endswith("model") else None,
+        )
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=case.startswith("bucket"))
+        inputs, targets = batch(0)
+        phase = "forward"
+        try:
+            loss = torch.nn.functional.mse_loss(ddp(inputs), targets)
+            phase = "backward"
+            loss.backward()
+            phase = "step"
+            optimizer.step()
+            outcomes[case] = ("none", "")
+        except RuntimeError as error:
+            outcomes[case] = (phase, str(error))
+        optimizer.close()
+    return outcomes
+
+
+# -- 9. a same-device .to() after wrapping ------------------------------------------------------
+
+
+def _moved_to_the_same_device_run(overlap: bool, zero_with_model: bool) -> dict:
+    """Hugging Face Trainer's ``model.to(args.device)`` (``cpu:0`` under torchrun on CPU) after
+    the optimizer was wrapped, with grads already held: torch copies every param and grad."""
+    model = make_model()
+    optimizer = ShardingStage1(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), strategy=_strategy(overlap), model=model
+    )
+    _train(model, optimizer, 1)
+    model.to(torch.device("cpu", 0))
+    norms = []
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for step in range(1, STEPS):
+        (model if zero_with_model else optimizer).zero_grad()
+        inputs, targets = batch(step)
+        output = model(local_slice(inputs, rank, world_size))
+        torch.nn.functional.mse_loss(output, local_slice(targets, rank, world_size)).backward()
+        norms.append(optimizer.clip_grad_norm_(1e6).item())
+        optimizer.step()
+    optimizer.sync_params()
+    return {"norms": norms, "params": _params(model)}
+
+
+def _moved_to_the_same_device() -> dict[str, dict]:
+    return {
+        f"{mode}_{zero}": _moved_to_the_same_device_run(mode == "overlap", zero == "model")
+        for mode in ("sync", "overlap")
+        for zero in ("model", "opt")
+    }
+
+
 def _all_scenarios() -> dict:
     return {
         "ddp_kept": _errors_with_ddp_kept(),
+        "ddp_added": _ddp_added_after_wrapping(),
+        "moved": _moved_to_the_same_device(),
         "reentrant": _reentrant_checkpointing(),
         "recreate": _recreate(),
         "nested_no_sync": (_accumulate(nested=True), _accumulate(nested=False)),
@@ -478,3 +540,40 @@ def test_a_kept_ddp_wrapper_fails_at_once_naming_the_fix(two_ranks) -> None:
         for message in errors["ddp_kept"].values():
             assert "Drop the DistributedDataParallel wrapper" in message
             assert "pass that module as model=" in message
+
+
+def test_ddp_added_after_wrapping_is_named_first_and_at_once(two_ranks) -> None:
+    """Issue 22: the frameworks' DDP was named only at step(), at the tail of a clipping message."""
+    for runs in two_ranks:
+        for case, (phase, message) in runs["ddp_added"].items():
+            # A model attached: its first forward (inside DDP's); otherwise the first backward.
+            assert phase == ("forward" if case.endswith("model") else "backward"), (case, phase, message)
+            first_sentence = message.split(". ")[0]
+            assert "DistributedDataParallel" in first_sentence, (case, message)
+            assert "clip" not in message, (case, message)
+            assert "sharded_opt.integrations" in message and "Drop the DistributedDataParallel" in message
+
+
+def _moved_reference() -> dict:
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer, 1)
+    norms = []
+    for step in range(1, STEPS):
+        optimizer.zero_grad()
+        inputs, targets = batch(step)
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6).item())
+        optimizer.step()
+    return {"norms": norms, "params": _params(model)}
+
+
+def test_same_device_to_after_wrapping_keeps_training_on_the_real_grads(two_ranks) -> None:
+    """Issue 22: ``model.to(torch.device("cpu", 0))`` copied the grads off the flat buffer; after
+    ``model.zero_grad()`` overlap mode reduced zeros (a norm of 0.0, steps on zero grads)."""
+    reference = _moved_reference()
+    for runs in two_ranks:
+        for case, run in runs["moved"].items():
+            torch.testing.assert_close(run["norms"], reference["norms"], rtol=1e-5, atol=0, msg=case)
+            for got, expected in zip(run["params"], reference["params"], strict=True):
+                torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=case)
