@@ -164,6 +164,15 @@ class FlatBuffers:
                 home.copy_(view)
         view.data = home
 
+    def zero_grad_view(self, param_index: int) -> None:
+        """Zero a param's slot in its grad buffer, leaving ``param.grad`` as it is."""
+        view = self.grad_views[param_index]
+        if view is None:
+            raise RuntimeError(f"FlatBuffers.zero_grad_view: param {param_index}'s bucket has no grad buffer")
+        self._reattach_grad_view(param_index, keep_values=False)
+        with torch.no_grad():
+            view.zero_()
+
     def adopt_param(self, param_index: int) -> None:
         """Copy the values of a param whose ``.data`` was replaced (``param.data = t``) into its
         slot and make ``.data`` the slot's view again. The replacement must have the param's

@@ -21,9 +21,17 @@ Note [Frozen after backward]
     torch steps every param whose ``.grad`` is not None, whatever its ``requires_grad``: a layer
     frozen between backward and ``step()`` (a callback that freezes on a schedule, a GAN loop
     that freezes D right after its backward) is still stepped with the grad it holds, and so is
-    one frozen later whose grads were never set to None. So a bucket whose params all stopped
-    requiring grad still takes part in the reduction while one of them holds a received grad;
-    otherwise its shard would step with the grads of whichever iteration last reduced it.
+    one frozen later whose grads were never set to None, even where only some ranks hold one
+    (an expert layer that ran on some ranks only). A bucket whose params all stopped requiring
+    grad therefore still takes part in the reduction where some rank holds a received grad in
+    it, or its shard would step with the grads of whichever iteration last reduced it. Whether
+    one does is a fact of each rank's own, so it is not decided here: such buckets are passed
+    over during backward, and ``step()`` reduces them after all the others, once the presence
+    flags every rank agreed on say that some rank holds a grad there (Note [Collectives from
+    agreed state] in ``optimizer``). Before any reduction a frozen param's slot is settled: it
+    keeps a grad the param received and still holds, and is zeroed otherwise (it may hold a
+    grad that ``model.zero_grad()`` set to None since; averaged with another rank's present
+    grad, it put 13 % errors into the step).
 
 Note [Grads written after backward]
     ``param.grad`` holds this rank's local grad, and in overlap mode a bucket's reduction reads
@@ -238,6 +246,13 @@ class GradReadyTracker:
                 self._hook(index, bucket_index, param)
         self._expected = expected
         self._requires_grad_at_scan = requires_grad
+        frozen_in: list[list[int]] = [[] for _ in self._buckets]
+        for index in self._buffers.laid_out_indices:
+            bucket_index = self._bucket_of[index]
+            if not params[index].requires_grad and self._buffers.grad_buffers[bucket_index] is not None:
+                frozen_in[bucket_index].append(index)
+        self._frozen_in = frozen_in
+        """Per bucket with a grad buffer, its params that do not require grad now."""
 
     def _hook(self, index: int, bucket_index: int, param: Tensor) -> None:
         arrived_before_hook = param.grad is not None and param.grad is not self._buffers.grad_views[index]
@@ -253,16 +268,16 @@ class GradReadyTracker:
             self.received[index] = 1
 
     def takes_part(self, bucket_index: int) -> bool:
-        """Whether the bucket has a param that requires grad (as of the last scan) or one that
-        holds a grad although frozen since, see Note [Frozen after backward]."""
-        return self._expected[bucket_index] > 0 or self._holds_frozen_grad(bucket_index)
+        """Whether the bucket has a param that requires grad (as of the last scan): the same on
+        every rank, see Note [Collectives from agreed state] in ``optimizer``."""
+        return self._expected[bucket_index] > 0
 
-    def _holds_frozen_grad(self, bucket_index: int) -> bool:
-        params, received = self._buffers.params, self.received
-        return any(
-            received[slot.param_index] and params[slot.param_index].grad is not None
-            for slot in self._buckets[bucket_index].slots
-        )
+    def frozen_buckets(self) -> list[int]:
+        """Buckets with a grad buffer whose params are all frozen now (as of the last scan): they
+        take part only where some rank holds a grad in them, decided from the agreed presence
+        flags; see Note [Frozen after backward]."""
+        buffers = self._buffers.grad_buffers
+        return [b for b, expected in enumerate(self._expected) if expected == 0 and buffers[b] is not None]
 
     def remove_hooks(self) -> None:
         remove_handles(self.handles)
@@ -342,6 +357,7 @@ class GradReadyTracker:
 
     def _launch(self, bucket_index: int) -> None:
         if self.takes_part(bucket_index):
+            self.settle_frozen(bucket_index)
             self._start_grad_sync(bucket_index)
         self._next_to_launch = bucket_index + 1
         if self._next_to_launch == len(self._buckets) and self._on_all_launched is not None:
@@ -353,7 +369,7 @@ class GradReadyTracker:
         self.scan()
         for bucket in self._buckets:
             if self.takes_part(bucket.index):
-                self._adopt_uncounted(bucket.index)
+                self.adopt_uncounted(bucket.index)
 
     def flush(self) -> None:
         """Launch every bucket not launched yet, in order, with missing grads as zeros."""
@@ -363,7 +379,7 @@ class GradReadyTracker:
             self.scan()
         for bucket_index in range(self._next_to_launch, len(self._buckets)):
             if self.takes_part(bucket_index):
-                self._adopt_uncounted(bucket_index)
+                self._adopt_uncounted_trainable(bucket_index)  # _launch settles the frozen ones
             self._launch(bucket_index)
 
     def accept_grad_writes(self) -> None:
@@ -382,16 +398,39 @@ class GradReadyTracker:
                 written.append(bucket_index)
         return written
 
-    def _adopt_uncounted(self, bucket_index: int) -> None:
-        params = self._buffers.params
+    def adopt_uncounted(self, bucket_index: int) -> None:
+        """Make the bucket's grad buffer hold exactly this rank's grads before its reduction: a
+        grad that backward did not count is adopted (an assigned one, or None as zeros), and the
+        frozen params are settled (:meth:`settle_frozen`)."""
+        self._adopt_uncounted_trainable(bucket_index)
+        self.settle_frozen(bucket_index)
+
+    def _adopt_uncounted_trainable(self, bucket_index: int) -> None:
+        params, buffers = self._buffers.params, self._buffers
         for slot in self._buckets[bucket_index].slots:
             index = slot.param_index
             if self._counted[index] or not params[index].requires_grad:
                 continue
             had_grad = params[index].grad is not None
-            if self._buffers.adopt_grad(index):  # None (no grad) or an assigned tensor (a grad)
+            if buffers.adopt_grad(index):  # None (no grad) or an assigned tensor (a grad)
                 self.received[index] = had_grad
-                self._grad_versions[bucket_index] = self._buffers.grad_buffers[bucket_index]._version
+                self._grad_versions[bucket_index] = buffers.grad_buffers[bucket_index]._version
+
+    def settle_frozen(self, bucket_index: int) -> None:
+        """Before the bucket's reduction: a frozen param keeps a grad it received and still holds
+        (Note [Frozen after backward]); any other frozen param's slot is zeroed, its ``.grad``
+        left as it is. Its slot may still hold a grad that ``model.zero_grad()`` set to None
+        since, which would otherwise be averaged with another rank's present grad."""
+        frozen = self._frozen_in[bucket_index]
+        if not frozen:
+            return
+        params, buffers = self._buffers.params, self._buffers
+        for index in frozen:
+            if self.received[index] and params[index].grad is not None:
+                buffers.adopt_grad(index)
+            else:
+                buffers.zero_grad_view(index)
+        self._grad_versions[bucket_index] = buffers.grad_buffers[bucket_index]._version
 
 
 class _AccumulateGradHook(CopiesAsInert):

@@ -29,6 +29,43 @@ Note [Step pipeline]
     so the next forward's first module (last bucket) would wait for every all-gather; see
     ``benchmarks/results/2026-12-03-pipeline-cpu-2core.md`` for both measured.
 
+Note [Collectives from agreed state]
+    Collectives must be issued alike on every rank: the same ones, in the same order, or the
+    ranks wait for each other until the timeout (and gloo may pair up different ones). So every
+    branch that decides whether, which or how many collectives a rank issues reads only state
+    that is the same on every rank: the layout (the same params, world size and options), what
+    every rank's training loop does alike (as DDP also requires: the same calls of ``step()``,
+    ``zero_grad()``, ``clip_grad_norm_``, the scaler and the checkpoint APIs, the same number of
+    backwards, the same ``requires_grad`` flags), or a value the ranks agreed on through a
+    collective. Never a rank's own grads: which params got a grad differs between ranks (a
+    branch or expert that runs on some ranks only). Decision by decision:
+
+    - Which buckets are reduced (``GradReadyTracker.takes_part``): those with a param that
+      requires grad, in bucket order; during backward as they complete, the rest at the end of
+      backward (overlap) or all at ``step()`` (sync). Buckets whose params are all frozen now:
+      after the others, where the agreed presence flags show a grad on some rank
+      (``_start_frozen_grad_sync``, Note [Frozen after backward] in ``grad_hooks``). This was a
+      rank's own fact before ("this rank holds a grad in a frozen param") and hung 2-4 ranks.
+    - Presence flags (``_share_presence``): every bucket's, once per iteration: per bucket right
+      before the reductions above where they share the group, the rest in one all-reduce
+      after the last launch (Note [Presence per bucket] in ``grad_presence``). Their values
+      differ per rank; which buckets' flags go in which all-reduce does not.
+    - Reducing again (Note [A second backward]) and reusing the last step's grads (Note [A step
+      without backward]): read from the hooks' and the buffers' state, the same on every rank
+      when every rank runs the same number of backwards.
+    - Which shards are stepped and all-gathered (``_step_pipeline``): the agreed presence flags;
+      the all-gathers in the one gather order. Per-module waits for them issue nothing.
+    - The replica all-reduce of hybrid sharding: one after each bucket's reduce-scatter, issued
+      in bucket order (Note [Replica all-reduce order] in ``bucket_comm``).
+    - ``clip_grad_norm_`` (one norm all-reduce), the scaler (one found-inf all-reduce per
+      ``unscale_``), ``state_dict``/checkpoints (collectives fixed by the layout and the world
+      size; the collective guard raises when a rank did not call them): issued per call, and
+      every rank makes the call. Absent grads are zeroed from the agreed flags before a norm.
+    - ``close()`` and ``sync_params()`` wait for collectives already issued and issue none.
+
+    ``tests/differential.py`` runs its programs with torch's collective check (Note in its
+    ``check_collectives_across_ranks``), so a rank that breaks this fails loudly in the tests.
+
 Note [Params replaced after wrapping]
     Code outside the wrapper replaces ``param.data`` rather than writing into it: WGAN and
     old scripts write ``p.data = p.data.clamp(-c, c)``, weight loading code assigns
@@ -976,6 +1013,7 @@ class ShardingStage1(torch.optim.Optimizer):
                 if self._grad_tracker.takes_part(bucket.index):
                     self._start_bucket_sync(bucket.index)
             self._start_unlaunched_presence()
+        self._start_frozen_grad_sync()
         self._check_grads_not_dropped()
 
     def _grads_snapshot(self) -> tuple[list[int | None], list[bool]]:
@@ -1075,6 +1113,15 @@ class ShardingStage1(torch.optim.Optimizer):
         if self._presence.per_bucket:
             self._share_presence([bucket_index])
         self._comm.start_grad_sync(bucket_index)
+
+    def _start_frozen_grad_sync(self) -> None:
+        """Reduce the buckets whose params are all frozen now where some rank still holds a grad
+        in them, after every other bucket; decided from the presence flags every rank agreed on,
+        see Note [Frozen after backward] in ``grad_hooks``."""
+        for bucket_index in self._grad_tracker.frozen_buckets():
+            if any(self._presence.agreed(bucket_index)):
+                self._grad_tracker.settle_frozen(bucket_index)
+                self._comm.start_grad_sync(bucket_index)
 
     def _start_unlaunched_presence(self) -> None:
         """Share the presence flags not shared yet: of the buckets that took no part in this

@@ -72,6 +72,7 @@ def check_programs(batch: list[Program], deadline: float) -> tuple[int, list[tup
     """On each rank: run every program sync and overlap until ``deadline`` (seconds since the
     epoch); returns how many programs ran and (program index, overlap, message) for each run
     that failed on this rank."""
+    differential.check_collectives_across_ranks()
     failures = []
     ran = 0
     for index, program in enumerate(batch):

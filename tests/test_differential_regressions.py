@@ -85,6 +85,33 @@ CASES: dict[str, Program] = {
             StepSpec(frozen=("expert",)),
         ),
     ),
+    # Found (issue 23): a layer frozen at wrap, unfrozen, given a grad on some ranks only and
+    # kept, then frozen again while it holds it. Only the ranks holding the grad reduced its
+    # bucket: the others never issued that collective and every rank hung until the timeout.
+    "frozen_again_while_some_ranks_hold_its_grad": Program(
+        optimizer="sgd",
+        steps=(StepSpec(expert_ranks="some", zero_grad="none"), StepSpec(frozen=("expert",))),
+        frozen_at_wrap=("expert",),
+    ),
+    # Found (issue 23): after model.zero_grad(), a layer used by some ranks only and frozen
+    # between backward and step(). Sync mode reduced the other ranks' stale grad slots with it
+    # (half of its elements up to 13 % off), and where it had a bucket of its own only the
+    # ranks holding the grad reduced it.
+    "frozen_before_step_after_model_zero_grad": Program(
+        optimizer="asgd",
+        steps=(
+            StepSpec(zero_grad="model"),
+            StepSpec(expert_ranks="some", halve_lr=True, freeze_before_step=("expert",)),
+        ),
+        bf16_master=True,
+        reuse_body=True,
+        bucket_size_mb=0.0002,
+    ),
+    "frozen_before_step_after_model_zero_grad_shared_bucket": Program(
+        optimizer="adamw",
+        steps=(StepSpec(zero_grad="model"), StepSpec(expert_ranks="some", freeze_before_step=("expert",))),
+        bucket_size_mb=None,
+    ),
     "auto_bucket_size": Program(
         optimizer="radam", steps=(StepSpec(), StepSpec(clip=5.0)), bucket_size_mb=None
     ),
@@ -93,6 +120,13 @@ CASES: dict[str, Program] = {
 HYBRID_CASES: dict[str, Program] = {
     "hybrid_step_twice_clip": Program(
         optimizer="adamw", steps=(StepSpec(clip=0.05, step_twice=True), StepSpec()), degree=2, ema=True
+    ),
+    "hybrid_mesh_frozen_again_while_some_ranks_hold_its_grad": Program(
+        optimizer="adamw",
+        steps=(StepSpec(expert_ranks="some", zero_grad="none"), StepSpec(frozen=("expert",))),
+        frozen_at_wrap=("expert",),
+        degree=2,
+        device_mesh=True,
     ),
     "hybrid_mesh_outside_weight": Program(
         optimizer="adam",
