@@ -116,7 +116,7 @@ CASES: dict[str, Program] = {
         kernels=("default", "fused"),
     ),
     "state_dict_before_any_step": Program(
-        optimizer="sgd",
+        optimizer="adamw",
         steps=(StepSpec(), StepSpec()),
         state_at_start="state_dict",
         kernels=("fused", "fused"),
