@@ -173,10 +173,18 @@ class BucketPlan:
         return start, start + self.shard_numel
 
     def shard_pieces(self, rank: int) -> tuple[ShardPiece, ...]:
-        """The pieces of params held by ``rank``'s shard; padding is not part of any piece."""
+        """The pieces of params held by ``rank``'s shard; padding is not part of any piece.
+
+        A zero-element param is one empty piece on the rank whose shard holds its offset (the
+        last rank when none does): torch keeps state for it once it has a grad (a ``step``
+        count, empty tensors), so exactly one rank must step it and own that state."""
         shard_start, shard_end = self.shard_range(rank)
         pieces = []
         for slot in self.slots:
+            if slot.numel == 0:
+                if self.empty_slot_rank(slot) == rank:
+                    pieces.append(ShardPiece(slot.param_index, 0, slot.offset - shard_start, 0))
+                continue
             start = max(slot.offset, shard_start)
             end = min(slot.offset + slot.numel, shard_end)
             if start < end:
@@ -184,6 +192,10 @@ class BucketPlan:
                     ShardPiece(slot.param_index, start - slot.offset, start - shard_start, end - start)
                 )
         return tuple(pieces)
+
+    def empty_slot_rank(self, slot: ParamSlot) -> int:
+        """The rank that holds zero-element ``slot``, see :meth:`shard_pieces`."""
+        return min(slot.offset // self.shard_numel, self.world_size - 1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,7 +159,8 @@ def build_local_shard(
     shard = LocalShard(bucket, param_view, reduced_grad, stepped, stepped_grad, pieces, [], [], [])
     chunk_numel = _chunk_numel(stepped)
     for piece in pieces:
-        for start in range(piece.shard_start, piece.shard_start + piece.numel, chunk_numel):
+        # A zero-element param's empty piece still gets one (empty) inner param: torch steps it.
+        for start in range(piece.shard_start, piece.shard_start + max(1, piece.numel), chunk_numel):
             end = min(start + chunk_numel, piece.shard_start + piece.numel)
             inner = stepped.detach()[start:end].detach().requires_grad_(True)
             grad = stepped_grad[start:end]

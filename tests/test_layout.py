@@ -243,15 +243,20 @@ def check_bucket(bucket, params, world_size: int, align_bytes: int, bsize: int):
         assert bucket.shard_range(rank) == (rank * shard, (rank + 1) * shard)
 
     # Element coverage: every param element in exactly one piece of exactly one rank, at the
-    # bucket position its slot says; padding in no piece.
+    # bucket position its slot says; padding in no piece. A zero-element param is one empty
+    # piece, on the rank whose shard holds its offset (the last one past the end).
     bucket_hits = np.zeros(bucket.padded_numel, dtype=np.int64)
     param_hits = {s.param_index: np.zeros(s.numel, dtype=np.int64) for s in bucket.slots}
     slot_of = {s.param_index: s for s in bucket.slots}
+    empty_holders: dict[int, list[int]] = {s.param_index: [] for s in bucket.slots if s.numel == 0}
     for rank in range(world_size):
         shard_lo = rank * shard
         for piece in bucket.shard_pieces(rank):
             assert isinstance(piece, ShardPiece)
-            assert piece.numel > 0
+            if slot_of[piece.param_index].numel == 0:
+                assert piece.numel == 0 and piece.param_start == 0
+                empty_holders[piece.param_index].append(rank)
+            assert piece.numel > 0 or piece.param_index in empty_holders
             assert piece.shard_start >= 0
             assert piece.shard_start + piece.numel <= shard
             slot = slot_of[piece.param_index]
@@ -263,6 +268,8 @@ def check_bucket(bucket, params, world_size: int, align_bytes: int, bsize: int):
             param_hits[piece.param_index][piece.param_start : piece.param_start + piece.numel] += 1
     for hits in param_hits.values():
         assert np.all(hits == 1)
+    for index, holders in empty_holders.items():
+        assert holders == [min(slot_of[index].offset // shard, world_size - 1)]
     expected = np.zeros(bucket.padded_numel, dtype=np.int64)
     for slot in bucket.slots:
         expected[slot.offset : slot.offset + slot.numel] = 1
@@ -498,7 +505,8 @@ def test_zero_size_param_still_gets_a_shardable_bucket():
     (bucket,) = plan.buckets
     assert bucket.used_numel == 0
     assert bucket.padded_numel == 2
-    assert bucket.shard_pieces(0) == () and bucket.shard_pieces(1) == ()
+    # One empty piece, on the rank holding offset 0, which steps it and keeps its torch state.
+    assert bucket.shard_pieces(0) == (ShardPiece(0, 0, 0, 0),) and bucket.shard_pieces(1) == ()
 
 
 def test_bucket_closes_when_next_param_would_overflow():
