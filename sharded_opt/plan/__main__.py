@@ -8,9 +8,9 @@ import sys
 
 import torch
 
-from sharded_opt.plan.calibrate import calibrate_link, measure_compute
+from sharded_opt.plan.calibrate import CalibrationInputs, calibrate
 from sharded_opt.plan.config import Cluster, ComputeTimes, LinkModel
-from sharded_opt.plan.model import load_batch, load_factory, resolve_optimizer
+from sharded_opt.plan.model import load_factory, resolve_optimizer
 from sharded_opt.plan.planner import format_plan, plan_training
 from sharded_opt.strategy import ShardingConfig
 
@@ -62,22 +62,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _compute(args: argparse.Namespace) -> ComputeTimes:
-    if not args.calibrate or args.compute_ms is not None:
-        forward = args.compute_ms / (1 + BACKWARD_PER_FORWARD) * 1e-3
-        backward = forward * BACKWARD_PER_FORWARD
-        return ComputeTimes(forward_s=forward, backward_s=backward, step_s=args.step_ms * 1e-3)
-    torch.set_num_threads(args.threads)
-    model = load_factory(args.model)()
-    batch = load_batch(args.batch, args.model, args.micro_batch)
-    return measure_compute(model, batch, resolve_optimizer(args.optimizer), args.optimizer_kwargs)
+def _stated_compute(args: argparse.Namespace) -> ComputeTimes:
+    forward = args.compute_ms / (1 + BACKWARD_PER_FORWARD) * 1e-3
+    backward = forward * BACKWARD_PER_FORWARD
+    return ComputeTimes(forward_s=forward, backward_s=backward, step_s=args.step_ms * 1e-3)
+
+
+def _calibrate(args: argparse.Namespace) -> tuple[ComputeTimes, LinkModel]:
+    """Measured compute and node link, each replaced by the stated one where given."""
+    inputs = CalibrationInputs(
+        args.model, args.batch, args.micro_batch, args.optimizer, args.optimizer_kwargs, args.threads
+    )
+    measured = calibrate(inputs)
+    compute = measured.compute if args.compute_ms is None else _stated_compute(args)
+    print(f"measured: {measured.compute}\n          node link {measured.link}")
+    return compute, args.node_link or measured.link
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        compute = _compute(args)
-        node_link = args.node_link or calibrate_link(args.threads)
+        if args.calibrate:
+            load_factory(args.model)  # a bad path is answered before ranks start
+            resolve_optimizer(args.optimizer)
+            compute, node_link = _calibrate(args)
+        else:
+            compute, node_link = _stated_compute(args), args.node_link
         cluster = Cluster(
             world_size=args.world_size,
             ranks_per_node=args.world_size if args.ranks_per_node is None else args.ranks_per_node,
@@ -96,8 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"python -m sharded_opt.plan: error: {error}", file=sys.stderr)
         return 2
-    if args.calibrate:
-        print(f"measured: {compute}\n          node link {node_link}")
     print(format_plan(plan))
     return 0
 

@@ -1,8 +1,10 @@
 """``--calibrate``: measure one rank's compute and the link between two ranks on this machine.
 
-Compute: forward, backward and the optimizer step of the real model on one batch, medians of a
-few repeats after a warm-up, with the thread count the ranks would use. The wrapper's step is
-timed on the layout it really steps: the params as flat CPU chunks (Note [Per-param pieces]).
+Both are measured on two spawned gloo ranks, as the modes run. Compute: forward, backward and
+the optimizer step of the real model on one batch on every rank at once (ranks of one machine
+share its cores and memory bandwidth), medians of a few repeats after a warm-up, the slowest
+rank's. The wrapper's step is timed on the layout it really steps: the params as flat CPU chunks
+(Note [Per-param pieces]).
 
 Link: spawned gloo ranks issue each collective the modes use through ``sharded_opt.collectives``
 (so the reduce-scatter is the wrapper's all-to-all plus sum), several in flight at once as the
@@ -15,6 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ from sharded_opt.launcher import spawn
 from sharded_opt.local_shard import CPU_CHUNK_BYTES
 from sharded_opt.plan.config import AlphaBeta, Collective, ComputeTimes, LinkModel
 from sharded_opt.plan.cost import rounds, wire_bytes
+from sharded_opt.plan.model import load_batch, load_factory, resolve_optimizer
 
 PROBE_SIZES_BYTES = (128 * 2**10, 512 * 2**10, 2 * 2**20)
 """Collective sizes timed: around the default buckets of small models (64 KiB to a few MiB)."""
@@ -136,11 +140,44 @@ def _time_collective(kind: Collective, nbytes: int, group: ProcessGroup) -> floa
     return statistics.median(times)
 
 
-def _link_rank(threads: int) -> LinkModel:
-    torch.set_num_threads(threads)
-    return measure_link()
+@dataclass(frozen=True, slots=True)
+class CalibrationInputs:
+    """What the ranks need to build the model, its batch and the optimizer (paths, so they
+    travel to spawned ranks)."""
+
+    model: str
+    """``module:callable`` or a built-in model's name."""
+    batch: str | None
+    """``module:callable`` returning the forward's arguments; None for a built-in model."""
+    micro_batch: int
+    optimizer: str
+    optimizer_kwargs: dict
+    threads: int
+    """torch threads per rank."""
 
 
-def calibrate_link(threads: int = 1) -> LinkModel:
-    """:func:`measure_link` between two spawned gloo ranks on this machine."""
-    return spawn(_link_rank, (threads,), nprocs=2)[0]
+def calibrate_rank(inputs: CalibrationInputs, link_group: ProcessGroup | None = None) -> Calibration:
+    """Every rank's part of :func:`calibrate`: compute on every rank at once, then the link on
+    ``link_group`` (default: the world); returns the slowest rank's compute."""
+    torch.set_num_threads(inputs.threads)
+    model = load_factory(inputs.model)()
+    batch = load_batch(inputs.batch, inputs.model, inputs.micro_batch)
+    optimizer = resolve_optimizer(inputs.optimizer)
+    dist.barrier()
+    compute = measure_compute(model, batch, optimizer, inputs.optimizer_kwargs)
+    times = torch.tensor([compute.forward_s, compute.backward_s, compute.step_s, compute.wrapper_step_s])
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    forward, backward, step, sharded_step = times.tolist()
+    slowest = ComputeTimes(forward_s=forward, backward_s=backward, step_s=step, sharded_step_s=sharded_step)
+    return Calibration(slowest, measure_link(link_group))
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    compute: ComputeTimes
+    link: LinkModel
+
+
+def calibrate(inputs: CalibrationInputs) -> Calibration:
+    """Compute and the link, measured on two spawned gloo ranks of this machine."""
+    return spawn(calibrate_rank, (inputs,), nprocs=2)[0]

@@ -27,7 +27,7 @@ from sharded_opt.plan.schedule import BucketCosts, StepCosts, Timeline, simulate
 from sharded_opt.strategy import ShardingConfig
 
 BUCKET_SWEEP_MB: tuple[float | None, ...] = (None, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0)
-"""Bucket sizes tried for the overlapping modes: the wrapper's default (None) and a sweep."""
+"""Bucket sizes tried for the overlapping modes: the wrapper's default (None, first) and a sweep."""
 
 TIE_FRACTION = 0.03
 """Modes predicted within this share of the fastest count as equally fast; the one holding the
@@ -57,7 +57,8 @@ class ModePlan:
     memory_per_rank: tuple[MemoryBytes, ...]
     """Of each rank of a shard group (they differ in their pieces and in padding); one for DDP."""
     step_s: float
-    """A long run's step time (steady state, no ``sync_params()``)."""
+    """A long run's step time (steady state, no ``sync_params()``), or per step of blocks of
+    ``steps_per_sync`` steps."""
     comm_s: float
     """Every collective of one step run back to back, nothing hidden."""
     timeline: Timeline
@@ -94,6 +95,7 @@ def plan_training(
     compute: ComputeTimes,
     optimizer_kwargs: dict[str, Any] | None = None,
     sharding: ShardingConfig | None = None,
+    steps_per_sync: int | None = None,
 ) -> TrainingPlan:
     """Bytes per rank and predicted step time of DDP and the wrapper's modes; the mode to pick.
 
@@ -111,6 +113,9 @@ def plan_training(
         sharding: the wrapper's settings (``reduce_dtype``, ``master_dtype``, ``align_bytes``,
             ``bucket_size_mb``); None: ``ShardingConfig()``. ``degree`` and ``enable_overlap``
             are what the modes vary, so they are ignored.
+        steps_per_sync: predict the step time of blocks of this many steps that each end in
+            ``sync_params()`` (which waits for the last all-gathers, as ``benchmarks.compare``
+            times its blocks); None: a long run's steady step.
 
     Returns:
         A :class:`TrainingPlan`; ``format_plan`` prints it.
@@ -120,6 +125,8 @@ def plan_training(
             without trainable params.
     """
     sharding = ShardingConfig() if sharding is None else sharding
+    if steps_per_sync is not None and steps_per_sync < 1:
+        raise ValueError(f"plan expects steps_per_sync >= 1 or None but got {steps_per_sync!r}")
     optimizer_class = resolve_optimizer(optimizer)
     factory = load_factory(model) if isinstance(model, str) else model
     meta = meta_model(factory)
@@ -129,9 +136,11 @@ def plan_training(
     dtypes = {spec.dtype for spec in specs}
     dtypes |= {_precision(dtype, sharding).master_dtype for dtype in dtypes}
     state_bytes, at_construction = state_bytes_per_element(meta_optimizer, sorted(dtypes, key=str))
-    inputs = _Inputs(specs, meta_optimizer, state_bytes, at_construction, cluster, compute, sharding)
+    inputs = _Inputs(
+        specs, meta_optimizer, state_bytes, at_construction, cluster, compute, sharding, steps_per_sync
+    )
     sweep = tuple(_sharded_mode(inputs, "overlap", cluster.world_size, size) for size in BUCKET_SWEEP_MB)
-    best_size = min(sweep, key=lambda m: m.step_s).bucket_size_mb
+    best_size = _bucket_size(sweep)
     modes = [
         _ddp_mode(inputs),
         _sharded_mode(inputs, "sync", cluster.world_size, sharding.bucket_size_mb),
@@ -143,6 +152,18 @@ def plan_training(
     recommended, reason = recommend(modes)
     num_params = sum(spec.numel for spec in specs if spec.requires_grad)
     return TrainingPlan(tuple(modes), sweep, recommended, reason, num_params, cluster.world_size)
+
+
+def _bucket_size(sweep: Sequence[ModePlan]) -> float | None:
+    """The fastest bucket size, or the wrapper's default sizes (``sweep[0]``) if they are within
+    :data:`TIE_FRACTION` of it: a size the model cannot tell apart is not worth setting."""
+    fastest = min(sweep, key=lambda m: m.step_s)
+    default = sweep[0]
+    return (
+        default.bucket_size_mb
+        if default.step_s <= fastest.step_s * (1 + TIE_FRACTION)
+        else fastest.bucket_size_mb
+    )
 
 
 def recommend(modes: Sequence[ModePlan]) -> tuple[ModePlan, str]:
@@ -168,6 +189,14 @@ class _Inputs:
     cluster: Cluster
     compute: ComputeTimes
     sharding: ShardingConfig
+    steps_per_sync: int | None
+
+    def simulate(self, costs: StepCosts, mode: str) -> tuple[float, Timeline]:
+        """The mode's step time and timeline, see ``plan_training``'s ``steps_per_sync``."""
+        timeline = simulate(costs, mode, self.steps_per_sync or SIMULATED_STEPS)
+        if self.steps_per_sync is None:
+            return timeline.steady_step_s(), timeline
+        return timeline.block_step_s(), timeline
 
 
 def _precision(dtype: torch.dtype, sharding: ShardingConfig) -> BucketPrecision:
@@ -221,11 +250,9 @@ def _sharded_mode(inputs: _Inputs, mode: str, degree: int, bucket_size_mb: float
     world = GroupPlacement.consecutive(cluster.world_size, cluster)
     flags_s = collective_s("all_reduce", len(inputs.specs), world, cluster)
     costs = StepCosts(tuple(buckets), inputs.compute, inputs.compute.wrapper_step_s, flags_s)
-    timeline = simulate(costs, "sync" if mode == "sync" else "overlap", SIMULATED_STEPS)
+    step_s, timeline = inputs.simulate(costs, "sync" if mode == "sync" else "overlap")
     comm_s = sum(b.reduce_s + b.replica_s + b.gather_s for b in buckets)
-    return ModePlan(
-        mode, degree, bucket_size_mb, len(plan.buckets), memory, timeline.steady_step_s(), comm_s, timeline
-    )
+    return ModePlan(mode, degree, bucket_size_mb, len(plan.buckets), memory, step_s, comm_s, timeline)
 
 
 def _nbytes(bucket: BucketPlan) -> int:
@@ -261,11 +288,10 @@ def _ddp_mode(inputs: _Inputs) -> ModePlan:
             )
         )
     costs = StepCosts(tuple(buckets), inputs.compute, inputs.compute.step_s)
-    timeline = simulate(costs, "ddp", SIMULATED_STEPS)
+    step_s, timeline = inputs.simulate(costs, "ddp")
     memory = (ddp_memory(inputs.specs, inputs.state_bytes),)
     comm_s = sum(b.reduce_s for b in buckets)
-    steady_s = timeline.steady_step_s()
-    return ModePlan("ddp", None, DDP_BUCKET_CAP_MB, len(buckets), memory, steady_s, comm_s, timeline)
+    return ModePlan("ddp", None, DDP_BUCKET_CAP_MB, len(buckets), memory, step_s, comm_s, timeline)
 
 
 def _link_name(group: GroupPlacement, cluster: Cluster) -> str:
