@@ -12,7 +12,7 @@ from torch import nn
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
 from sharded_opt.plan import AlphaBeta, Cluster, ComputeTimes, LinkModel, plan_training
 from sharded_opt.plan.__main__ import main
-from sharded_opt.plan.schedule import BucketCosts, StepCosts, simulate
+from sharded_opt.plan.schedule import BucketCosts, StepCosts, Transfer, simulate
 from tests.dist_helper import run_ranks
 
 COMPUTE = ComputeTimes(forward_s=0.1, backward_s=0.2, step_s=0.03)
@@ -134,18 +134,17 @@ def test_sync_is_compute_then_every_collective() -> None:
         BucketCosts(
             compute_share=share,
             step_share=share / 2,
-            reduce_s=0.01 * (i + 1),
-            reduce_link="l",
-            gather_s=0.005,
-            gather_link="l",
+            reduce=Transfer("link", 0.02 * (i + 1), 0.01 * (i + 1)),
+            gather=Transfer("link", 0.005, 0.005),
         )
         for i, share in enumerate((0.25, 0.75))
     )
     costs = StepCosts(buckets, COMPUTE, step_s=0.04, flags_s=0.001)
     sync = simulate(costs, "sync", steps=3)
-    # forward + backward, the reductions back to back (the step of bucket 0 hides behind the
-    # reduction of bucket 1), bucket 1's step, then both all-gathers
-    one_step = 0.1 + 0.2 + (0.01 + 0.02) + 0.04 * 0.75 / 2 + 2 * 0.005
+    # forward + backward, the reductions back to back, the first alone and the second in flight
+    # behind it (the step of bucket 0 hides behind the second), bucket 1's step, then both
+    # all-gathers
+    one_step = 0.1 + 0.2 + (0.02 + 0.02) + 0.04 * 0.75 / 2 + 2 * 0.005
     assert sync.steady_step_s() == pytest.approx(one_step)
     assert sync.block_step_s() == pytest.approx(one_step)
     overlap = simulate(costs, "overlap", steps=3)

@@ -6,13 +6,14 @@ collective's alpha-beta time), ``schedule`` (a step's timeline per mode), ``plan
 per mode, and the pick). ``calibrate`` measures compute and the link on this machine.
 """
 
-from sharded_opt.plan.config import AlphaBeta, Cluster, ComputeTimes, LinkModel
+from sharded_opt.plan.config import AlphaBeta, Cluster, CollectiveCosts, ComputeTimes, LinkModel
 from sharded_opt.plan.memory import MemoryBytes
 from sharded_opt.plan.planner import ModePlan, TrainingPlan, format_plan, plan_training
 
 __all__ = [
     "AlphaBeta",
     "Cluster",
+    "CollectiveCosts",
     "ComputeTimes",
     "LinkModel",
     "MemoryBytes",

@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 from sharded_opt import collectives
 from sharded_opt.launcher import spawn
 from sharded_opt.local_shard import CPU_CHUNK_BYTES
-from sharded_opt.plan.config import AlphaBeta, Collective, ComputeTimes, LinkModel
+from sharded_opt.plan.config import AlphaBeta, Collective, CollectiveCosts, ComputeTimes, LinkModel
 from sharded_opt.plan.cost import rounds, wire_bytes
 from sharded_opt.plan.model import load_batch, load_factory, resolve_optimizer
 
@@ -35,8 +35,8 @@ PROBE_SIZES_BYTES = (128 * 2**10, 512 * 2**10, 2 * 2**20)
 """Collective sizes timed: around the default buckets of small models (64 KiB to a few MiB)."""
 
 IN_FLIGHT = 4
-"""Collectives issued before waiting: the modes keep several buckets in flight, and gloo runs
-concurrent collectives faster per byte than one alone (MACHINE_NOTES)."""
+"""Collectives issued before waiting for ``LinkModel.in_flight``: the modes keep several buckets
+in flight, and gloo runs concurrent collectives faster per byte than one alone (MACHINE_NOTES)."""
 
 REPEATS = 3
 WARMUP = 2
@@ -102,25 +102,30 @@ def measure_link(group: ProcessGroup | None = None) -> LinkModel:
     """Fit each collective's alpha and beta on ``group`` (every rank calls it; each returns the
     same model, fitted to the slowest rank's times)."""
     group = dist.group.WORLD if group is None else group
+    return LinkModel(alone=_fit(group, 1), in_flight=_fit(group, IN_FLIGHT))
+
+
+def _fit(group: ProcessGroup, in_flight: int) -> CollectiveCosts:
     size = dist.get_world_size(group)
     fitted = {}
     for kind in KINDS:
-        seconds = torch.tensor([_time_collective(kind, nbytes, group) for nbytes in PROBE_SIZES_BYTES])
+        times = [_time_collective(kind, nbytes, group, in_flight) for nbytes in PROBE_SIZES_BYTES]
+        seconds = torch.tensor(times)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
         sent = [wire_bytes(kind, nbytes, size) for nbytes in PROBE_SIZES_BYTES]
         slope, intercept = statistics.linear_regression(sent, seconds.tolist())
         fitted[kind] = AlphaBeta(
             alpha_s=max(0.0, intercept) / rounds(kind, size), beta_s_per_byte=max(0.0, slope)
         )
-    return LinkModel(**fitted)
+    return CollectiveCosts(**fitted)
 
 
-def _time_collective(kind: Collective, nbytes: int, group: ProcessGroup) -> float:
-    """Median seconds per collective with :data:`IN_FLIGHT` of them issued at once."""
+def _time_collective(kind: Collective, nbytes: int, group: ProcessGroup, in_flight: int) -> float:
+    """Median seconds per collective with ``in_flight`` of them issued at once."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     numel = nbytes // 4 // size * size
-    inputs = [torch.ones(numel) for _ in range(IN_FLIGHT)]
-    outputs = [torch.empty(numel // size if kind == "reduce_scatter" else numel) for _ in range(IN_FLIGHT)]
+    inputs = [torch.ones(numel) for _ in range(in_flight)]
+    outputs = [torch.empty(numel // size if kind == "reduce_scatter" else numel) for _ in range(in_flight)]
     issue: Callable[[Tensor, Tensor], object] = {
         "all_reduce": lambda out, inp: collectives.all_reduce_avg(inp, group, async_op=True),
         "reduce_scatter": lambda out, inp: collectives.reduce_scatter_avg(out, inp, group, async_op=True),
@@ -136,7 +141,7 @@ def _time_collective(kind: Collective, nbytes: int, group: ProcessGroup) -> floa
         for work in works:
             work.wait()
         if index >= WARMUP:
-            times.append((time.perf_counter() - start) / IN_FLIGHT)
+            times.append((time.perf_counter() - start) / in_flight)
     return statistics.median(times)
 
 

@@ -32,15 +32,33 @@ class AlphaBeta:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LinkModel:
-    """One link's cost of each collective the modes use (see ``cost.collective_s`` for the rounds
-    and bytes each one has)."""
+class CollectiveCosts:
+    """The cost of each collective the modes use (see ``cost.collective_s`` for the rounds and
+    bytes each one has)."""
 
     all_reduce: AlphaBeta
     reduce_scatter: AlphaBeta
     """The wrapper's reduce-scatter: on gloo an all-to-all plus a local sum (Note
     [Reduce-scatter on gloo] in ``sharded_opt/collectives.py``)."""
     all_gather: AlphaBeta
+
+    def cost(self, kind: Collective) -> AlphaBeta:
+        return getattr(self, kind)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkModel:
+    """One link's collective costs, alone and with others in flight.
+
+    gloo runs collectives issued together at once, and together they use a link better than one
+    alone: a single all-to-all sends one direction after the other, several overlap each other's
+    directions (MACHINE_NOTES; Note [Reduce-scatter on gloo]). So a collective issued while the
+    link is idle (overlap's reduce-scatters, issued one by one in backward) costs ``alone``, one
+    issued behind others (sync's, every all-gather batch) costs ``in_flight``.
+    """
+
+    alone: CollectiveCosts
+    in_flight: CollectiveCosts
 
     @classmethod
     def stated(cls, gbps: float, latency_us: float = 0.0) -> LinkModel:
@@ -56,10 +74,8 @@ class LinkModel:
         if not (math.isfinite(latency_us) and latency_us >= 0):
             raise ValueError(f"LinkModel.stated expects latency_us >= 0 but got {latency_us!r}")
         each = AlphaBeta(alpha_s=latency_us * 1e-6, beta_s_per_byte=BITS_PER_BYTE / (gbps * 1e9))
-        return cls(all_reduce=each, reduce_scatter=each, all_gather=each)
-
-    def cost(self, kind: Collective) -> AlphaBeta:
-        return getattr(self, kind)
+        costs = CollectiveCosts(all_reduce=each, reduce_scatter=each, all_gather=each)
+        return cls(alone=costs, in_flight=costs)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

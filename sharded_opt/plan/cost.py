@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sharded_opt.plan.config import Cluster, Collective
+from sharded_opt.plan.config import Cluster, Collective, CollectiveCosts, LinkModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,18 +46,25 @@ def wire_bytes(kind: Collective, nbytes: int, group_size: int) -> float:
     return 2 * share * nbytes if kind == "all_reduce" else share * nbytes
 
 
-def collective_s(kind: Collective, nbytes: int, group: GroupPlacement, cluster: Cluster) -> float:
-    """Seconds one collective over ``nbytes`` takes alone on its link."""
+def collective_s(
+    kind: Collective, nbytes: int, group: GroupPlacement, cluster: Cluster, *, alone: bool
+) -> float:
+    """Seconds one collective over ``nbytes`` takes on its link, ``alone`` or with others in
+    flight (see ``LinkModel``)."""
     if group.size == 1:
         return 0.0
     sent = wire_bytes(kind, nbytes, group.size)
     if group.members_per_node == group.size or cluster.link is None:
-        cost = cluster.node_link.cost(kind)
+        cost = _costs(cluster.node_link, alone).cost(kind)
         return cost.alpha_s * rounds(kind, group.size) + cost.beta_s_per_byte * sent
     off_node = (group.size - group.members_per_node) / (group.size - 1)
     node_sent = cluster.ranks_per_node * off_node * sent
-    cost = cluster.link.cost(kind)
+    cost = _costs(cluster.link, alone).cost(kind)
     return cost.alpha_s * rounds(kind, group.size) + cost.beta_s_per_byte * node_sent
+
+
+def _costs(link: LinkModel, alone: bool) -> CollectiveCosts:
+    return link.alone if alone else link.in_flight
 
 
 def crosses_nodes(group: GroupPlacement, cluster: Cluster) -> bool:

@@ -13,7 +13,7 @@ from torch import nn
 from fusion.bucket_sizing import trainable_bytes
 from fusion.layout import BucketPlan, LayoutPlan, ParamSpec, plan_layout
 from sharded_opt.local_shard import BucketPrecision, resolve_precision
-from sharded_opt.plan.config import Cluster, ComputeTimes
+from sharded_opt.plan.config import Cluster, Collective, ComputeTimes
 from sharded_opt.plan.cost import GroupPlacement, collective_s, crosses_nodes
 from sharded_opt.plan.memory import MemoryBytes, StateBytes, ddp_memory, sharded_memory
 from sharded_opt.plan.model import (
@@ -23,7 +23,15 @@ from sharded_opt.plan.model import (
     resolve_optimizer,
     state_bytes_per_element,
 )
-from sharded_opt.plan.schedule import BucketCosts, StepCosts, Timeline, simulate
+from sharded_opt.plan.schedule import (
+    NO_TRANSFER,
+    BucketCosts,
+    StepCosts,
+    Timeline,
+    Transfer,
+    comm_only_s,
+    simulate,
+)
 from sharded_opt.strategy import ShardingConfig
 
 BUCKET_SWEEP_MB: tuple[float | None, ...] = (None, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0)
@@ -60,7 +68,8 @@ class ModePlan:
     """A long run's step time (steady state, no ``sync_params()``), or per step of blocks of
     ``steps_per_sync`` steps."""
     comm_s: float
-    """Every collective of one step run back to back, nothing hidden."""
+    """Every collective of one step with nothing hidden: all reductions issued at once, then
+    all all-gathers."""
     timeline: Timeline
 
     @property
@@ -239,19 +248,18 @@ def _sharded_mode(inputs: _Inputs, mode: str, degree: int, bucket_size_mb: float
             BucketCosts(
                 compute_share=bucket.used_numel / total_numel,
                 step_share=_stepped(bucket, busiest) / total_numel,
-                reduce_s=collective_s("reduce_scatter", reduce_bytes, shard, cluster),
-                reduce_link=_link_name(shard, cluster),
-                replica_s=collective_s("all_reduce", reduce_bytes // degree, replicas, cluster),
-                replica_link=_link_name(replicas, cluster),
-                gather_s=collective_s("all_gather", _nbytes(bucket), shard, cluster),
-                gather_link=_link_name(shard, cluster),
+                reduce=_transfer("reduce_scatter", reduce_bytes, shard, cluster),
+                replica=_transfer("all_reduce", reduce_bytes // degree, replicas, cluster)
+                if replicas.size > 1
+                else NO_TRANSFER,
+                gather=_transfer("all_gather", _nbytes(bucket), shard, cluster),
             )
         )
     world = GroupPlacement.consecutive(cluster.world_size, cluster)
-    flags_s = collective_s("all_reduce", len(inputs.specs), world, cluster)
+    flags_s = collective_s("all_reduce", len(inputs.specs), world, cluster, alone=True)
     costs = StepCosts(tuple(buckets), inputs.compute, inputs.compute.wrapper_step_s, flags_s)
     step_s, timeline = inputs.simulate(costs, "sync" if mode == "sync" else "overlap")
-    comm_s = sum(b.reduce_s + b.replica_s + b.gather_s for b in buckets)
+    comm_s = comm_only_s(tuple(buckets))
     return ModePlan(mode, degree, bucket_size_mb, len(plan.buckets), memory, step_s, comm_s, timeline)
 
 
@@ -283,19 +291,22 @@ def _ddp_mode(inputs: _Inputs) -> ModePlan:
             BucketCosts(
                 compute_share=numel / total_numel,
                 step_share=numel / total_numel,
-                reduce_s=collective_s("all_reduce", nbytes, world, cluster),
-                reduce_link=_link_name(world, cluster),
+                reduce=_transfer("all_reduce", nbytes, world, cluster),
             )
         )
     costs = StepCosts(tuple(buckets), inputs.compute, inputs.compute.step_s)
     step_s, timeline = inputs.simulate(costs, "ddp")
     memory = (ddp_memory(inputs.specs, inputs.state_bytes),)
-    comm_s = sum(b.reduce_s for b in buckets)
+    comm_s = comm_only_s(tuple(buckets))
     return ModePlan("ddp", None, DDP_BUCKET_CAP_MB, len(buckets), memory, step_s, comm_s, timeline)
 
 
-def _link_name(group: GroupPlacement, cluster: Cluster) -> str:
-    return LINK if crosses_nodes(group, cluster) else NODE_LINK
+def _transfer(kind: Collective, nbytes: int, group: GroupPlacement, cluster: Cluster) -> Transfer:
+    return Transfer(
+        LINK if crosses_nodes(group, cluster) else NODE_LINK,
+        collective_s(kind, nbytes, group, cluster, alone=True),
+        collective_s(kind, nbytes, group, cluster, alone=False),
+    )
 
 
 def format_plan(plan: TrainingPlan) -> str:

@@ -14,9 +14,10 @@ The schedule is the one the library runs (docs/design.md, "One step, module by m
   steps every param once all reductions are done.
 
 Each link is one queue: a collective starts when its inputs are ready and the collectives issued
-before it on that link are done (the costs were fitted with several collectives in flight, as
-the modes run them). Compute is not slowed by communication; on one machine it is (loopback
-copies run on the cores compute uses), which this model leaves out.
+before it on that link are done; it costs its ``alone`` time if it found the link idle and its
+``in_flight`` time if it was queued behind others (``LinkModel``). Compute is not slowed by
+communication; on one machine it is (loopback copies run on the cores compute uses), which
+this model leaves out.
 """
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ from sharded_opt.plan.config import ComputeTimes
 
 
 @dataclass(frozen=True, slots=True)
+class Transfer:
+    """One collective: the link it uses and its seconds alone and with others in flight."""
+
+    link: str
+    alone_s: float
+    in_flight_s: float
+
+
+NO_TRANSFER = Transfer("", 0.0, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
 class BucketCosts:
     """One bucket (in plan order, the order backward fills them) as the simulation sees it."""
 
@@ -34,15 +47,12 @@ class BucketCosts:
     """Its share of forward and backward compute: its params' numel over the model's."""
     step_share: float
     """Its share of the optimizer step this rank runs: the elements it steps over the model's."""
-    reduce_s: float
+    reduce: Transfer
     """Its grad reduction: reduce-scatter (sharded) or all-reduce (DDP)."""
-    reduce_link: str
-    replica_s: float = 0.0
-    """The all-reduce of its shard across replicas (hybrid sharding), after ``reduce_s``."""
-    replica_link: str = ""
-    gather_s: float = 0.0
+    replica: Transfer = NO_TRANSFER
+    """The all-reduce of its shard across replicas (hybrid sharding), after ``reduce``."""
+    gather: Transfer = NO_TRANSFER
     """The all-gather of its updated shard."""
-    gather_link: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +73,13 @@ class _Links:
     def __init__(self) -> None:
         self._free_at: dict[str, float] = {}
 
-    def run(self, link: str, issued_s: float, duration_s: float) -> float:
-        start = max(issued_s, self._free_at.get(link, 0.0))
-        self._free_at[link] = start + duration_s
-        return start + duration_s
+    def run(self, transfer: Transfer, issued_s: float) -> float:
+        """When ``transfer``, issued at ``issued_s``, is done."""
+        free_at = self._free_at.get(transfer.link, 0.0)
+        duration = transfer.alone_s if issued_s >= free_at else transfer.in_flight_s
+        done = max(issued_s, free_at) + duration
+        self._free_at[transfer.link] = done
+        return done
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +132,7 @@ def _simulate_sharded(costs: StepCosts, steps: int, overlap: bool) -> Timeline:
         for bucket, landed in zip(buckets, reduced, strict=True):  # Note [Step pipeline]
             now = max(now, landed) + costs.step_s * bucket.step_share
         for index in reversed(range(len(buckets))):  # all-gathers in forward order
-            gathered[index] = links.run(buckets[index].gather_link, now, buckets[index].gather_s)
+            gathered[index] = links.run(buckets[index].gather, now)
         if not overlap:
             now = max([now, *gathered])
         ends.append(now)
@@ -127,10 +140,18 @@ def _simulate_sharded(costs: StepCosts, steps: int, overlap: bool) -> Timeline:
 
 
 def _reduce(links: _Links, bucket: BucketCosts, ready_s: float) -> float:
-    done = links.run(bucket.reduce_link, ready_s, bucket.reduce_s)
-    if bucket.replica_s:
-        done = links.run(bucket.replica_link, done, bucket.replica_s)
+    done = links.run(bucket.reduce, ready_s)
+    if bucket.replica is not NO_TRANSFER:
+        done = links.run(bucket.replica, done)
     return done
+
+
+def comm_only_s(buckets: tuple[BucketCosts, ...]) -> float:
+    """Every reduction issued at once, then every all-gather: a sharded step's communication
+    with nothing hidden (``benchmarks.compare``'s ``comm only`` pseudo-mode)."""
+    links = _Links()
+    reduced = max([_reduce(links, bucket, 0.0) for bucket in buckets], default=0.0)
+    return max([reduced, *(links.run(bucket.gather, reduced) for bucket in reversed(buckets))])
 
 
 def _simulate_ddp(costs: StepCosts, steps: int) -> Timeline:
@@ -141,7 +162,7 @@ def _simulate_ddp(costs: StepCosts, steps: int) -> Timeline:
         reduced = now
         for bucket in costs.buckets:
             now += costs.compute.backward_s * bucket.compute_share
-            reduced = links.run(bucket.reduce_link, now, bucket.reduce_s)
+            reduced = links.run(bucket.reduce, now)
         now = max(now, reduced) + costs.step_s
         ends.append(now)
     return Timeline(tuple(ends), now)
