@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch.distributed as dist
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         link = stack.enter_context(shaped_link(args.emulate_link)) if args.emulate_link else None
         calibration = spawn(_rank, (inputs, link), nprocs=run["world_size"])[0]
+    load = os.getloadavg()  # the machine is shared: how busy it was while calibrating
     measured = {mode: run["modes"][mode]["steady_median_s"] for mode in (*MODES, "comm", "compute")}
     emulated = link is not None
     own = _predicted(_plan(run, config, calibration, calibration.compute, emulated))
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     state = {m.mode: m.memory.optimizer_state for m in plan.modes if m.mode in ("ddp", "sync")}
     reported = {mode: run["modes"][mode]["state_bytes_per_rank"] for mode in ("ddp", "sync")}
-    print(f"calibration: {compute}\n             {calibration.link}")
+    print(f"calibration (load average {load[0]:.1f}): {compute}\n             {calibration.link}")
     print(
         f"{'mode':8} {'measured ms':>11} {'predicted':>9} {'error':>7} {'with run compute':>16} {'error':>7}"
     )
@@ -136,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         payload = {
             "compare": str(args.compare),
             "link": dataclasses.asdict(args.emulate_link) if args.emulate_link else None,
-            "calibration": {"compute": dataclasses.asdict(compute), "link": repr(calibration.link)},
+            "calibration": {
+                "compute": dataclasses.asdict(compute),
+                "link": dataclasses.asdict(calibration.link),
+                "load_average_1min": load[0],
+            },
             "rows": rows,
             "optimizer_state_bytes": {"planned": state, "reported": reported},
         }

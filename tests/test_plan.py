@@ -204,6 +204,7 @@ def test_cli_calibrates(capsys: pytest.CaptureFixture[str]) -> None:
             "could not import the model factory's module 'no_such_module'",
         ),
         (["--model", "tests.test_plan:no_such_factory"], "to have a callable 'no_such_factory'"),
+        (["--model", "odd_net:"], "plan expects the model factory as 'module:callable' but got 'odd_net:'"),
         (["--model", "gpt9"], "plan expects model as 'module:callable' or one of"),
         (["--optimizer-kwargs", '{"lr": -1}'], "plan could not build AdamW with {'lr': -1}"),
     ],

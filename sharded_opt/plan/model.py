@@ -44,18 +44,27 @@ def load_factory(path: str) -> Callable[[], nn.Module]:
     """
     if ":" not in path:
         return _builtin_factory(path)
+    return load_callable(path, "model factory")
+
+
+def load_callable(path: str, what: str) -> Callable[[], Any]:
+    """The callable ``module:callable`` names; ``what`` says what it is for, in errors.
+
+    Raises:
+        ValueError: the path is malformed, its module cannot be imported, or it has no such
+            callable.
+    """
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
-        raise ValueError(f"plan expects model as 'module:callable' but got {path!r}")
+        raise ValueError(f"plan expects the {what} as 'module:callable' but got {path!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        message = f"plan could not import the model factory's module {module_name!r}: {error}"
-        raise ValueError(message) from error
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise ValueError(f"plan expects {module_name!r} to have a callable {attribute!r} (model factory)")
-    return factory
+        raise ValueError(f"plan could not import the {what}'s module {module_name!r}: {error}") from error
+    found = getattr(module, attribute, None)
+    if not callable(found):
+        raise ValueError(f"plan expects {module_name!r} to have a callable {attribute!r} ({what})")
+    return found
 
 
 def _builtin_factory(name: str) -> Callable[[], nn.Module]:
@@ -132,7 +141,7 @@ def load_batch(path: str | None, model: str, micro_batch: int) -> tuple[torch.Te
         ValueError: no batch for a model that is not built in, or a bad path.
     """
     if path is not None:
-        batch = load_factory(path if ":" in path else f"{path}:")()
+        batch = load_callable(path, "batch")()
         return batch if isinstance(batch, tuple) else (batch,)
     if ":" in model:
         raise ValueError(
