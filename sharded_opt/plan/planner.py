@@ -120,8 +120,9 @@ def plan_training(
         optimizer_kwargs: the optimizer's arguments (they decide its state: ``amsgrad``,
             ``momentum``, ...).
         sharding: the wrapper's settings (``reduce_dtype``, ``master_dtype``, ``align_bytes``,
-            ``bucket_size_mb``); None: ``ShardingConfig()``. ``degree`` and ``enable_overlap``
-            are what the modes vary, so they are ignored.
+            and ``bucket_size_mb`` for sync; the overlapping modes get the best size of
+            :data:`BUCKET_SWEEP_MB`); None: ``ShardingConfig()``. ``degree`` and
+            ``enable_overlap`` are what the modes vary, so they are ignored.
         steps_per_sync: predict the step time of blocks of this many steps that each end in
             ``sync_params()`` (which waits for the last all-gathers, as ``benchmarks.compare``
             times its blocks); None: a long run's steady step.
