@@ -1,0 +1,121 @@
+"""Bytes one rank holds, by kind, computed from a layout plan: nothing is allocated.
+
+The sharded modes follow what the wrapper allocates (``ShardingStage1.memory_bytes()`` reports the
+same keys, and tests/test_plan.py checks they agree exactly): every bucket's flat param buffer,
+a grad buffer for each bucket that takes part (Note [Buckets that take part]), per bucket a
+persistent averaged grad of the shard in the reduce dtype, a grad in the master dtype when the
+optimizer steps a master copy of another dtype, the master copy, the optimizer's state for the
+rank's pieces (padding has none, Note [Per-param pieces]) and the staging pool of Note [Bounded
+staging]. DDP holds the params and grads unpadded, the optimizer's state for every param, and
+its reducer's flat bucket buffers (one copy of the grads; torch's default
+``gradient_as_bucket_view=False``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from fusion.layout import BucketPlan, LayoutPlan, ParamSpec
+from sharded_opt.bucket_comm import STAGING_BUFFERS
+from sharded_opt.local_shard import BucketPrecision
+
+StateBytes = Mapping[tuple[int, torch.dtype], int]
+"""Optimizer state bytes per stepped element, by (param group index, stepped dtype)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBytes:
+    """Bytes one rank holds, by kind; the keys of ``ShardingStage1.memory_bytes()`` plus DDP's
+    bucket buffers and the padding inside the flat buffers."""
+
+    params: int
+    grads: int
+    reduced_grads: int
+    master: int
+    optimizer_state: int
+    staging: int
+    """Casts of grads to the reduce dtype (the wrapper's communication buffers)."""
+    ddp_buckets: int = 0
+    """DDP's flat buckets the grads are copied into for the all-reduce."""
+    padding: int = 0
+    """Of ``params`` and ``grads``: bytes of padding in the flat buffers."""
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "padding")
+
+    def as_report(self) -> dict[str, int]:
+        """In the form of ``ShardingStage1.memory_bytes()``."""
+        keys = ("params", "grads", "reduced_grads", "master", "optimizer_state", "staging")
+        return {key: getattr(self, key) for key in keys}
+
+
+def sharded_memory(
+    plan: LayoutPlan,
+    precisions: Sequence[BucketPrecision],
+    state_bytes: StateBytes,
+    rank: int,
+    *,
+    materialize_all: bool = False,
+) -> MemoryBytes:
+    """Bytes ``rank`` holds under the wrapper with ``plan`` (made for the shard group's size).
+
+    Args:
+        plan: the layout, as ``plan_layout`` makes it for the wrapper: for the shard group's
+            size, which is 1 on one rank (nothing is reduced then; the grads are stepped in
+            place).
+        precisions: each bucket's dtypes (``resolve_precision``).
+        state_bytes: optimizer state bytes per stepped element.
+        rank: the rank's index in its shard group.
+        materialize_all: the optimizer creates state at construction (Adagrad), so every bucket,
+            frozen ones included, gets its grad buffer and shard at once.
+    """
+    sharded = plan.world_size > 1
+    params = sum(_nbytes(b.padded_numel, b.dtype) for b in plan.buckets)
+    live = [b for b in plan.buckets if b.requires_grad or materialize_all]
+    grads = sum(_nbytes(b.padded_numel, b.dtype) for b in live)
+    reduced = master = state = 0
+    staged_bytes: list[int] = []
+    for bucket in live:
+        precision = precisions[bucket.index]
+        stepped_numel = bucket.shard_numel if sharded else bucket.padded_numel
+        reduced_dtype = bucket.dtype
+        if sharded:
+            reduced_dtype = precision.reduce_dtype
+            reduced += _nbytes(stepped_numel, reduced_dtype)
+            if precision.reduce_dtype != bucket.dtype:
+                staged_bytes.append(_nbytes(bucket.padded_numel, precision.reduce_dtype))
+        if reduced_dtype != precision.master_dtype:
+            reduced += _nbytes(stepped_numel, precision.master_dtype)  # the stepped grad
+        if precision.has_master:
+            master += _nbytes(stepped_numel, precision.master_dtype)
+        per_element = state_bytes[(bucket.group_index, precision.master_dtype)]
+        state += per_element * _stepped_elements(bucket, rank, sharded)
+    staging = min(STAGING_BUFFERS, len(staged_bytes)) * max(staged_bytes, default=0)
+    used = sum(_nbytes(b.used_numel, b.dtype) for b in plan.buckets)
+    used_live = sum(_nbytes(b.used_numel, b.dtype) for b in live)
+    padding = (params - used) + (grads - used_live)
+    return MemoryBytes(params, grads, reduced, master, state, staging, padding=padding)
+
+
+def _stepped_elements(bucket: BucketPlan, rank: int, sharded: bool) -> int:
+    if sharded:
+        return sum(piece.numel for piece in bucket.shard_pieces(rank))
+    return sum(slot.numel for slot in bucket.slots)
+
+
+def ddp_memory(specs: Sequence[ParamSpec | None], state_bytes: StateBytes) -> MemoryBytes:
+    """Bytes one rank holds under DDP with the plain optimizer over ``specs``."""
+    laid_out = [spec for spec in specs if spec is not None]
+    params = sum(_nbytes(spec.numel, spec.dtype) for spec in laid_out)
+    trainable = [spec for spec in laid_out if spec.requires_grad]
+    grads = sum(_nbytes(spec.numel, spec.dtype) for spec in trainable)
+    state = sum(state_bytes[(spec.group_index, spec.dtype)] * spec.numel for spec in trainable)
+    return MemoryBytes(params, grads, 0, 0, state, 0, ddp_buckets=grads)
+
+
+def _nbytes(numel: int, dtype: torch.dtype) -> int:
+    return numel * dtype.itemsize

@@ -1,0 +1,153 @@
+"""The planner's inputs from the user's words: a model factory built on the meta device (no
+param memory), a ``torch.optim`` class, and the optimizer state it keeps per element."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion.layout import ParamSpec
+from sharded_opt.validation import ELEMENTWISE_OPTIMIZERS, collect_params
+
+BUILTIN_MODEL_MODULE = "benchmarks.models"
+"""Where the benchmark's built-in models live (``--model default`` and the other preset names)."""
+
+STATE_PROBE_NUMEL = 64
+"""Elements of the small CPU tensor one step of the optimizer runs on to learn its state bytes
+per element (some classes, ASGD, call ``.item()`` and cannot step on the meta device)."""
+
+
+def resolve_optimizer(name: str | type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """The ``torch.optim`` class named ``name`` (``"AdamW"``), or the class itself.
+
+    Raises:
+        ValueError: no such class in ``torch.optim``, or not one the wrapper shards (it shards
+            element-wise optimizers only).
+    """
+    cls = getattr(torch.optim, name, None) if isinstance(name, str) else name
+    if cls not in ELEMENTWISE_OPTIMIZERS:
+        known = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise ValueError(f"plan expects optimizer to name one of torch.optim's {known} but got {name!r}")
+    return cls
+
+
+def load_factory(path: str) -> Callable[[], nn.Module]:
+    """``module:callable`` (called with no arguments), or a built-in benchmark model's name.
+
+    Raises:
+        ValueError: the path is malformed, its module cannot be imported, or it has no such
+            callable.
+    """
+    if ":" not in path:
+        return _builtin_factory(path)
+    return load_callable(path, "model factory")
+
+
+def load_callable(path: str, what: str) -> Callable[[], Any]:
+    """The callable ``module:callable`` names; ``what`` says what it is for, in errors.
+
+    Raises:
+        ValueError: the path is malformed, its module cannot be imported, or it has no such
+            callable.
+    """
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"plan expects the {what} as 'module:callable' but got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"plan could not import the {what}'s module {module_name!r}: {error}") from error
+    found = getattr(module, attribute, None)
+    if not callable(found):
+        raise ValueError(f"plan expects {module_name!r} to have a callable {attribute!r} ({what})")
+    return found
+
+
+def _builtin_factory(name: str) -> Callable[[], nn.Module]:
+    try:
+        models = importlib.import_module(BUILTIN_MODEL_MODULE)
+    except ImportError as error:
+        raise ValueError(
+            f"plan expects model as 'module:callable' or a built-in name, but got {name!r} and the "
+            f"built-in models ({BUILTIN_MODEL_MODULE}) cannot be imported: {error}"
+        ) from error
+    if name not in models.MODEL_NAMES:
+        raise ValueError(
+            f"plan expects model as 'module:callable' or one of {', '.join(models.MODEL_NAMES)} "
+            f"but got {name!r}"
+        )
+    return lambda: models.build_model(name, seed=0)
+
+
+def meta_model(factory: Callable[[], nn.Module]) -> nn.Module:
+    """The factory's model with every param on the meta device: shapes and dtypes, no memory."""
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"plan expects the model factory to return an nn.Module but got {type(model).__name__}"
+        )
+    return model
+
+
+def param_specs(
+    model: nn.Module, optimizer_class: type[torch.optim.Optimizer], kwargs: dict[str, Any]
+) -> tuple[list[ParamSpec], torch.optim.Optimizer]:
+    """The wrapper's view of ``model.parameters()`` under ``optimizer_class(**kwargs)`` (built on
+    the meta params: torch checks the arguments), in registration order."""
+    try:
+        optimizer = optimizer_class(model.parameters(), **kwargs)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"plan could not build {optimizer_class.__name__} with {kwargs}: {error}") from error
+    _, specs = collect_params(optimizer)
+    return specs, optimizer
+
+
+def state_bytes_per_element(
+    optimizer: torch.optim.Optimizer, dtypes: Sequence[torch.dtype]
+) -> tuple[dict[tuple[int, torch.dtype], int], bool]:
+    """The optimizer's state bytes per stepped element, by (param group, dtype), from one step of
+    its class with each group's settings on a small CPU tensor; and whether the class creates
+    its state at construction (Adagrad), which makes the wrapper materialize every bucket."""
+    per_element: dict[tuple[int, torch.dtype], int] = {}
+    at_construction = False
+    for group_index, group in enumerate(optimizer.param_groups):
+        settings = {key: value for key, value in group.items() if key != "params"}
+        for dtype in dtypes:
+            probe = torch.zeros(STATE_PROBE_NUMEL, dtype=dtype, requires_grad=True)
+            probe.grad = torch.ones_like(probe)
+            stepped = type(optimizer)([{**settings, "params": [probe]}])
+            at_construction = at_construction or bool(stepped.state)
+            stepped.step()
+            nbytes = sum(
+                value.numel() * value.element_size()
+                for value in stepped.state[probe].values()
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+            )
+            per_element[(group_index, dtype)] = nbytes // STATE_PROBE_NUMEL
+    return per_element, at_construction
+
+
+def load_batch(path: str | None, model: str, micro_batch: int) -> tuple[torch.Tensor, ...]:
+    """One batch for timing the model's forward and backward: ``module:callable`` returning the
+    forward's arguments (a tensor or a tuple of them), or for a built-in model ``micro_batch``
+    random byte sequences (tokens and targets) of its preset's length.
+
+    Raises:
+        ValueError: no batch for a model that is not built in, or a bad path.
+    """
+    if path is not None:
+        batch = load_callable(path, "batch")()
+        return batch if isinstance(batch, tuple) else (batch,)
+    if ":" in model:
+        raise ValueError(
+            f"plan --calibrate expects --batch MODULE:CALLABLE (the forward's arguments) for the model "
+            f"{model!r}, or stated times (--compute-ms, --step-ms) instead of --calibrate"
+        )
+    models = importlib.import_module(BUILTIN_MODEL_MODULE)
+    tokens = torch.randint(0, models.BYTE_VOCAB, (micro_batch, models.model_seq_len(model, None)))
+    return tokens, tokens
