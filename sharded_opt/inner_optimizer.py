@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fusion.buffers import flatten_to_slot, view_slot
+from fusion.layout import ParamSlot
 from sharded_opt.local_shard import LocalShard
 
 ParamState = dict[str, Any]
@@ -133,8 +135,11 @@ def param_states(inner: torch.optim.Optimizer, shards: list[LocalShard]) -> dict
     """Per param index with local pieces that have state, its local state (see :data:`ParamState`)."""
     chunks: dict[int, list[tuple[Tensor, dict[str, Any]]]] = {}
     for shard in shards:
+        slots = {slot.param_index: slot for slot in shard.bucket.slots}
         for param, owner in zip(shard.inner_params, shard.inner_owners, strict=True):
             state = inner.state.get(param)
+            if state and shard.bucket.whole_params:
+                state = _flattened(state, param, slots[owner])
             if state:
                 chunks.setdefault(owner, []).append((param, state))
     result: dict[int, ParamState] = {}
@@ -151,6 +156,28 @@ def param_states(inner: torch.optim.Optimizer, shards: list[LocalShard]) -> dict
     return result
 
 
+def _flattened(state: dict[str, Any], param: Tensor, slot: ParamSlot) -> dict[str, Any]:
+    """A whole param's state with its element-wise values (of the param's shape) flattened in
+    the slot's memory order, as the pieces of element-wise classes are; other values (Adafactor's
+    row and column factors) as they are."""
+    return {
+        key: flatten_to_slot(value, slot) if is_elementwise(value, param) else value
+        for key, value in state.items()
+    }
+
+
+def _unflattened(state: ParamState, param: Tensor, slot: ParamSlot) -> dict[str, Any]:
+    """The inverse of :func:`_flattened` for a whole param's local state: a 1-D value of the
+    param's numel becomes a tensor of the param's shape and strides (for a 1-D param it already
+    is one); other values are copied as they are."""
+    return {
+        key: view_slot(value.clone(), slot)
+        if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == param.numel()
+        else _copy(value)
+        for key, value in state.items()
+    }
+
+
 def load_param_states(
     inner: torch.optim.Optimizer,
     shards: list[LocalShard],
@@ -165,11 +192,15 @@ def load_param_states(
     offsets: dict[int, int] = {}
     inner_state: dict[int, dict[str, Any]] = {}
     for shard in shards:
+        slots = {slot.param_index: slot for slot in shard.bucket.slots}
         for param, owner in zip(shard.inner_params, shard.inner_owners, strict=True):
             state = states.get(owner)
             start = offsets.get(owner, 0)
             offsets[owner] = start + param.numel()
             if not state:
+                continue
+            if shard.bucket.whole_params:
+                inner_state[position[id(param)]] = _unflattened(state, param, slots[owner])
                 continue
             # Scalars are cloned per inner param: optimizers update ``step`` in place, so a
             # tensor shared by a param's chunks would be advanced once per chunk.
