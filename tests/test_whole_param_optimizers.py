@@ -23,7 +23,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sharded_opt import OptimizerNeeds, ShardingConfig, ShardingStage1, Strategy
+from sharded_opt import (
+    OptimizerNeeds,
+    ShardingConfig,
+    ShardingStage1,
+    Strategy,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tests.dist_helper import run_ranks
 from tests.training import batch, local_slice, make_model
 
@@ -331,3 +338,46 @@ def test_a_declaration_that_is_not_optimizer_needs_is_refused() -> None:
         TypeError, match="Declared.sharded_opt_needs to be a sharded_opt.OptimizerNeeds but got str"
     ):
         ShardingStage1(Declared([torch.nn.Parameter(torch.ones(2, 2))]))
+
+
+def save_after_training(run: Run, path: str) -> dict:
+    """Train ``STEPS`` steps, save a DCP checkpoint, return the state dicts saved."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    strategy = Strategy(
+        sharding=ShardingConfig(enable_overlap=run.overlap, bucket_size_mb=run.bucket_size_mb)
+    )
+    (wrapper,) = [ShardingStage1(o, strategy=strategy, model=model) for o in make_optimizers(run.kind, model)]
+    for step in range(STEPS):
+        inputs, targets = batch(step)
+        wrapper.zero_grad()
+        _loss(model, local_slice(inputs, rank, world_size), local_slice(targets, rank, world_size)).backward()
+        wrapper.step()
+    save_checkpoint(path, model, wrapper)
+    return wrapper.state_dict()
+
+
+def load_saved(run: Run, path: str) -> dict:
+    model = make_model()
+    strategy = Strategy(
+        sharding=ShardingConfig(enable_overlap=run.overlap, bucket_size_mb=run.bucket_size_mb)
+    )
+    (wrapper,) = [ShardingStage1(o, strategy=strategy, model=model) for o in make_optimizers(run.kind, model)]
+    load_checkpoint(path, model, wrapper)
+    return wrapper.state_dict()
+
+
+@pytest.mark.parametrize(("saved_on", "loaded_on"), [(3, 2), (1, 3)])
+@pytest.mark.parametrize("kind", ["adafactor", "normalized_sgd"])
+def test_checkpoint_reshards(tmp_path, kind: str, saved_on: int, loaded_on: int) -> None:
+    """A DCP checkpoint of whole-param state (Adafactor's row and column factors included) saved
+    on N ranks loads on M, each param's state on its new owner."""
+    run = Run(kind, overlap=True, bucket_size_mb=0.0005)
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(save_after_training, saved_on, run, path)[0]
+    for loaded in run_ranks(load_saved, loaded_on, run, path):
+        assert loaded["param_groups"] == saved["param_groups"]
+        assert loaded["state"].keys() == saved["state"].keys()
+        for index, state in saved["state"].items():
+            for key, value in state.items():
+                assert torch.equal(loaded["state"][index][key], value), (index, key)
