@@ -1,4 +1,5 @@
-"""sharded_opt: ZeRO stage-1 sharded optimizer states for any element-wise torch optimizer."""
+"""sharded_opt: ZeRO stage-1 sharded optimizer states for element-wise torch optimizers and for
+those that need whole params (Muon, Adafactor)."""
 
 from sharded_opt.checkpoint import load_checkpoint, save_checkpoint
 from sharded_opt.grad_scaler import ShardedGradScaler

@@ -70,7 +70,9 @@ def _copy_settings(optimizer: torch.optim.Optimizer, inner: torch.optim.Optimize
 
 
 def check_steps(
-    optimizer: torch.optim.Optimizer, stepped: set[tuple[int, torch.dtype, torch.device]]
+    optimizer: torch.optim.Optimizer,
+    stepped: set[tuple[int, torch.dtype, torch.device]],
+    probe_shape: tuple[int, ...] = (2,),
 ) -> None:
     """Raise at once if the optimizer's class, configured as a param group, cannot step a tensor
     of the dtype and device the shards of that group will be stepped in (``stepped``: group
@@ -83,11 +85,12 @@ def check_steps(
         bucket holds a piece of a param that got a grad, so on some ranks the step would raise
         and on others go on into the all-gather, which then waits for ranks that never come.
         So a throwaway optimizer of the same class and group settings steps a 2-element param
-        of each (group, dtype, device) at construction, the same on every rank. It steps
+        (2x2 for Muon and Adafactor, which step whole matrices and refuse complex params only
+        in ``step()``) of each (group, dtype, device) at construction, the same on every rank. It steps
         without torch's hook wrapper, so no global optimizer step hook fires for it.
     """
     for group_index, dtype, device in sorted(stepped, key=str):
-        probe = torch.zeros(2, dtype=dtype, device=device, requires_grad=True)
+        probe = torch.zeros(probe_shape, dtype=dtype, device=device, requires_grad=True)
         probe.grad = torch.zeros_like(probe)
         hyper = hyperparameters(optimizer.param_groups[group_index])
         try:

@@ -164,7 +164,7 @@ from sharded_opt.strategy import Strategy
 from sharded_opt.streams import on_stream
 from sharded_opt.validation import (
     DROP_DDP,
-    ELEMENTWISE_OPTIMIZERS,
+    TORCH_OPTIMIZERS,
     check_optimizer,
     check_same_layout,
     check_trained_modules,
@@ -270,13 +270,14 @@ class ShardingStage1(torch.optim.Optimizer):
             resolve_precision(bucket.dtype, config.reduce_dtype, config.master_dtype)
             for bucket in self.plan.buckets
         ]
-        if type(optimizer) in ELEMENTWISE_OPTIMIZERS:  # Note [Refused at the first step]
+        if type(optimizer) in TORCH_OPTIMIZERS:  # Note [Refused at the first step]
             check_steps(
                 optimizer,
                 {
                     (b.group_index, p.master_dtype, b.device)
                     for b, p in zip(self.plan.buckets, precisions, strict=True)
                 },
+                probe_shape=(2, 2) if needs.whole_params else (2,),
             )
         self._buffers = FlatBuffers(self.plan, params)
         self._broadcast_from_first_rank()

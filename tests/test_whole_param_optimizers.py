@@ -381,3 +381,19 @@ def test_checkpoint_reshards(tmp_path, kind: str, saved_on: int, loaded_on: int)
         for index, state in saved["state"].items():
             for key, value in state.items():
                 assert torch.equal(loaded["state"][index][key], value), (index, key)
+
+
+def wrap_muon_over_a_complex_matrix() -> str:
+    try:
+        ShardingStage1(torch.optim.Muon([torch.nn.Parameter(torch.ones(2, 3, dtype=torch.complex64))]))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_what_muon_refuses_only_in_step_is_refused_when_wrapping() -> None:
+    """Muon raises for complex params only in ``step()``, which only the owner runs: the other
+    ranks would wait in the all-gather. Note [Refused at the first step] probes a 2x2 matrix."""
+    (message,) = run_ranks(wrap_muon_over_a_complex_matrix, 1)
+    assert "cannot step torch.complex64 params on cpu" in message
+    assert "Muon does not support complex parameters" in message
