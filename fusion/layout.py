@@ -48,11 +48,37 @@ Note [First bucket]
     (DDP uses 1 MiB) therefore starts communication early in backward, while later buckets stay
     large enough to amortize a collective's fixed cost. ``first_bucket_bytes`` bounds that bucket
     alone; see ``fusion.bucket_sizing`` for how the wrapper picks both sizes.
+
+Note [Whole params per owner]
+    Element-wise optimizers may step any flat slice of a param, so a shard ignores param
+    boundaries. An optimizer that needs each param whole (Muon orthogonalizes a whole matrix by
+    Newton-Schulz; Adafactor keeps row and column factors of it) cannot step half a matrix. With
+    ``whole_param_cost`` the planner therefore gives each param of a bucket one owner among the
+    ``world_size`` ranks and lays every owner's params out inside the owner's own shard, so the
+    rank's shard pieces are whole params, which it steps in their own shape. Nothing else
+    changes: each bucket is still one flat buffer cut into ``world_size`` equal, aligned shards,
+    and reduce-scatter and all-gather move exactly what they move for element-wise optimizers.
+    Moonshot's distributed Muon instead gathers each matrix's grad shards before Newton-Schulz
+    and scatters the update afterwards; owning whole params needs no collective beyond ZeRO-1's.
+
+    Each bucket is filled as before (same order, same keys), with its bound multiplied by
+    ``world_size``, so that each shard, not the whole bucket, is about the bound: a shard must
+    hold a few whole params for the shards to come out nearly equal. The bucket's params are
+    split into ``world_size`` bins by the greedy largest-first rule on numel (each param, largest
+    first, into the bin with the fewest elements): the largest bin sets the shard size, and every
+    smaller bin is padded up to it, so balancing numel is what keeps the padding small. The bins
+    are then given to ranks by work (``whole_param_cost`` of each param's shape, e.g. Muon's
+    Newton-Schulz flops ``m * n * min(m, n)``): the costliest bin to the rank with the least
+    work so far over the buckets already planned, so the step time, which the slowest rank
+    sets, stays balanced over the whole model and not only within each bucket. Frozen params
+    are laid out the same way but add no work. The price is padding: at most the largest
+    param of a bucket per shard, reported by ``LayoutPlan.padding_numel``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -162,6 +188,8 @@ class BucketPlan:
     padded_numel: int
     world_size: int
     requires_grad: bool = True
+    whole_params: bool = False
+    """Each param lies inside one rank's shard, see Note [Whole params per owner]."""
 
     @property
     def shard_numel(self) -> int:
@@ -214,6 +242,21 @@ class LayoutPlan:
             raise KeyError(f"param {param_index} is not laid out (it was left out of the plan)")
         return slot
 
+    @property
+    def padding_numel(self) -> int:
+        """Elements of all buckets that hold no param (alignment gaps and shard padding)."""
+        return sum(bucket.padded_numel - sum(slot.numel for slot in bucket.slots) for bucket in self.buckets)
+
+    def owner(self, param_index: int) -> int:
+        """The rank whose shard holds the whole param, see Note [Whole params per owner]."""
+        slot = self.slot(param_index)
+        bucket = self.buckets[slot.bucket_index]
+        if not bucket.whole_params:
+            raise ValueError(
+                f"LayoutPlan.owner: param {param_index} is laid out element-wise, it has no owner"
+            )
+        return slot.offset // bucket.shard_numel
+
 
 def align_numel(dtype: torch.dtype, align_bytes: int) -> int:
     """Alignment in elements of ``dtype``; at least one element."""
@@ -250,6 +293,7 @@ def plan_layout(
     align_bytes: int = DEFAULT_ALIGN_BYTES,
     bucket_size_bytes: int,
     first_bucket_bytes: int | None = None,
+    whole_param_cost: Callable[[tuple[int, ...]], int] | None = None,
 ) -> LayoutPlan:
     """Plan the flat buckets for ``params`` given in registration order.
 
@@ -266,6 +310,10 @@ def plan_layout(
             group, requires_grad) kind, the one backward fills first; None means
             ``bucket_size_bytes``. A small first bucket lets communication start early in
             backward, see Note [First bucket].
+        whole_param_cost: None lays params out for element-wise optimizers (shards ignore param
+            boundaries). Otherwise every param lies whole inside one rank's shard, owners
+            balanced by this work per param shape, and both bucket bounds apply per shard; see
+            Note [Whole params per owner].
 
     Returns:
         A frozen :class:`LayoutPlan`; see Note [Bucket order].
@@ -282,6 +330,9 @@ def plan_layout(
         raise ValueError(f"plan_layout expects bucket_size_bytes >= 1 but got {bucket_size_bytes}")
     if first_bucket_bytes < 1:
         raise ValueError(f"plan_layout expects first_bucket_bytes >= 1 or None but got {first_bucket_bytes}")
+    if whole_param_cost is not None:
+        bucket_size_bytes *= world_size
+        first_bucket_bytes *= world_size
 
     open_buckets: dict[tuple[torch.dtype, torch.device, int, bool], _OpenBucket] = {}
     closed: list[_OpenBucket] = []
@@ -303,8 +354,14 @@ def plan_layout(
 
     buckets = []
     slots: list[ParamSlot | None] = [None] * len(params)
+    work_per_rank = [0] * world_size
     for bucket_index, open_bucket in enumerate(closed):
-        bucket = _build_bucket(bucket_index, open_bucket.members, world_size, align_bytes)
+        if whole_param_cost is None:
+            bucket = _build_bucket(bucket_index, open_bucket.members, world_size, align_bytes)
+        else:
+            bucket = _build_owned_bucket(
+                bucket_index, open_bucket.members, world_size, align_bytes, whole_param_cost, work_per_rank
+            )
         buckets.append(bucket)
         for slot in bucket.slots:
             slots[slot.param_index] = slot
@@ -334,6 +391,65 @@ def _build_bucket(
         world_size,
         first.requires_grad,
     )
+
+
+def _build_owned_bucket(
+    bucket_index: int,
+    members: list[tuple[int, ParamSpec]],
+    world_size: int,
+    align_bytes: int,
+    cost: Callable[[tuple[int, ...]], int],
+    work_per_rank: list[int],
+) -> BucketPlan:
+    """A bucket whose params each lie whole in one rank's shard; adds the bucket's work to
+    ``work_per_rank``. See Note [Whole params per owner]."""
+    first = members[0][1]
+    align = align_numel(first.dtype, align_bytes)
+    bins: list[list[tuple[int, ParamSpec]]] = [[] for _ in range(world_size)]
+    bin_numel = [0] * world_size
+    for member in sorted(members, key=lambda m: -m[1].numel):  # stable: ties keep layout order
+        fewest = min(range(world_size), key=lambda b: (bin_numel[b], b))
+        bins[fewest].append(member)
+        bin_numel[fewest] += member[1].numel
+    bin_work = [
+        sum(cost(spec.shape) for _, spec in members) if first.requires_grad else 0 for members in bins
+    ]
+    ranks_by_work = sorted(range(world_size), key=lambda r: (work_per_rank[r], r))
+    bins_by_work = sorted(range(world_size), key=lambda b: (-bin_work[b], b))
+    owned = [0] * world_size
+    for rank, bin_index in zip(ranks_by_work, bins_by_work, strict=True):
+        owned[rank] = bin_index
+        work_per_rank[rank] += bin_work[bin_index]
+    layouts = [_pack(sorted(bins[owned[rank]], key=lambda m: -m[0]), align) for rank in range(world_size)]
+    shard_numel = round_up(max(1, *(end for _, end in layouts)), align)
+    slots = [
+        ParamSlot(index, bucket_index, rank * shard_numel + offset, spec.numel, spec.shape, spec.strides)
+        for rank, (placed, _) in enumerate(layouts)
+        for index, spec, offset in placed
+    ]
+    return BucketPlan(
+        bucket_index,
+        first.dtype,
+        first.device,
+        first.group_index,
+        tuple(slots),
+        max(slot.offset + slot.numel for slot in slots),
+        shard_numel * world_size,
+        world_size,
+        first.requires_grad,
+        whole_params=True,
+    )
+
+
+def _pack(members: list[tuple[int, ParamSpec]], align: int) -> tuple[list[tuple[int, ParamSpec, int]], int]:
+    """Offsets of ``members`` laid out from 0 by the rules of Note [Alignment and padding], and
+    the end of the last one."""
+    placed, cursor = [], 0
+    for index, spec in members:
+        offset = slot_offset(cursor, spec.numel, align, spec.dtype.itemsize)
+        placed.append((index, spec, offset))
+        cursor = offset + spec.numel
+    return placed, cursor
 
 
 class _OpenBucket:

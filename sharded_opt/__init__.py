@@ -1,13 +1,16 @@
-"""sharded_opt: ZeRO stage-1 sharded optimizer states for any element-wise torch optimizer."""
+"""sharded_opt: ZeRO stage-1 sharded optimizer states for element-wise torch optimizers and for
+those that need whole params (Muon, Adafactor)."""
 
 from sharded_opt.checkpoint import load_checkpoint, save_checkpoint
 from sharded_opt.grad_scaler import ShardedGradScaler
 from sharded_opt.launcher import init_parallel_env, spawn
 from sharded_opt.optimizer import ShardingStage1
+from sharded_opt.optimizer_needs import OptimizerNeeds
 from sharded_opt.strategy import ShardingConfig, Strategy
 from sharded_opt.streams import wait_comm, wait_compute
 
 __all__ = [
+    "OptimizerNeeds",
     "ShardedGradScaler",
     "ShardingConfig",
     "ShardingStage1",

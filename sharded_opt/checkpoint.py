@@ -8,7 +8,10 @@ Note [Checkpoint layout]
     new layout and DCP reads each from whichever saved pieces overlap it. Only params that have
     state (have been stepped) get entries, as in torch's format; which ones, with which keys and
     dtypes, is read back from the checkpoint's metadata. Each param's
-    scalar state (its own ``step``), the model's state dict (full tensors, the same on every rank)
+    scalar state (its own ``step``), the state of an optimizer that steps whole params which is
+    not of the param's shape (Adafactor's row and column factors: ``state_whole.<i>.<key>``,
+    see Note [Whole params per owner] in ``fusion/layout.py``), the model's state dict (full
+    tensors, the same on every rank)
     and hyperparameters (tensors whose entry name records the Python type: int stays int, a
     Tensor lr stays a Tensor) are replicated entries that DCP writes once.
 
@@ -49,6 +52,9 @@ if TYPE_CHECKING:
 _PARTIAL_SUFFIX = ".partial"
 _VERSION_MARK = ".ckpt-"
 _META_NUM_PARAMS = "meta.num_params"
+_WHOLE_STATE = "state_whole"
+"""Entries of a param's state tensors that are neither element-wise nor 0-dim (Adafactor's row
+and column factors): replicated, read whole by the param's owner, see Note [Checkpoint layout]."""
 _HYPER_FLOAT = "hyper"
 _HYPER_INT = "hyper_int"
 _HYPER_TENSOR = "hyper_tensor"
@@ -161,7 +167,9 @@ def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ParamPiece]:
         for key, (kind, value) in description.items():
             name = f"state.{index}.{key}"
             if kind == "scalar":
-                if isinstance(value, Tensor):
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    entries[f"{_WHOLE_STATE}.{index}.{key}"] = value
+                elif isinstance(value, Tensor):
                     entries[name] = value
             else:
                 entries[name] = per_param.entry(index, local.get(index, {}).get(key), value)
@@ -200,8 +208,8 @@ class _LoadPlan:
             ):
                 continue  # saved with a master copy, loaded without one: the params are the truth
             dtype = meta.properties.dtype
-            if len(meta.size) == 0:
-                value = torch.zeros((), dtype=dtype)
+            if len(meta.size) == 0 or name.startswith(_WHOLE_STATE + "."):
+                value = torch.zeros(tuple(meta.size), dtype=dtype)
                 self.entries[name] = value
             else:
                 piece = per_param.pieces.get(index)
@@ -243,7 +251,7 @@ class _LoadPlan:
 
 def _parse_state_name(name: str) -> tuple[int, str | None] | None:
     parts = name.split(".", 2)
-    if parts[0] == "state" and len(parts) == 3 and parts[1].isdigit():
+    if parts[0] in ("state", _WHOLE_STATE) and len(parts) == 3 and parts[1].isdigit():
         return int(parts[1]), parts[2]
     if parts[0] == "master" and len(parts) == 2 and parts[1].isdigit():
         return int(parts[1]), None

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fusion.buffers import flatten_to_slot, view_slot
+from fusion.layout import ParamSlot
 from sharded_opt.local_shard import LocalShard
 
 ParamState = dict[str, Any]
@@ -68,7 +70,9 @@ def _copy_settings(optimizer: torch.optim.Optimizer, inner: torch.optim.Optimize
 
 
 def check_steps(
-    optimizer: torch.optim.Optimizer, stepped: set[tuple[int, torch.dtype, torch.device]]
+    optimizer: torch.optim.Optimizer,
+    stepped: set[tuple[int, torch.dtype, torch.device]],
+    probe_shape: tuple[int, ...] = (2,),
 ) -> None:
     """Raise at once if the optimizer's class, configured as a param group, cannot step a tensor
     of the dtype and device the shards of that group will be stepped in (``stepped``: group
@@ -81,11 +85,12 @@ def check_steps(
         bucket holds a piece of a param that got a grad, so on some ranks the step would raise
         and on others go on into the all-gather, which then waits for ranks that never come.
         So a throwaway optimizer of the same class and group settings steps a 2-element param
-        of each (group, dtype, device) at construction, the same on every rank. It steps
+        (2x2 for Muon and Adafactor, which step whole matrices and refuse complex params only
+        in ``step()``) of each (group, dtype, device) at construction, the same on every rank. It steps
         without torch's hook wrapper, so no global optimizer step hook fires for it.
     """
     for group_index, dtype, device in sorted(stepped, key=str):
-        probe = torch.zeros(2, dtype=dtype, device=device, requires_grad=True)
+        probe = torch.zeros(probe_shape, dtype=dtype, device=device, requires_grad=True)
         probe.grad = torch.zeros_like(probe)
         hyper = hyperparameters(optimizer.param_groups[group_index])
         try:
@@ -133,8 +138,11 @@ def param_states(inner: torch.optim.Optimizer, shards: list[LocalShard]) -> dict
     """Per param index with local pieces that have state, its local state (see :data:`ParamState`)."""
     chunks: dict[int, list[tuple[Tensor, dict[str, Any]]]] = {}
     for shard in shards:
+        slots = {slot.param_index: slot for slot in shard.bucket.slots}
         for param, owner in zip(shard.inner_params, shard.inner_owners, strict=True):
             state = inner.state.get(param)
+            if state and shard.bucket.whole_params:
+                state = _flattened(state, param, slots[owner])
             if state:
                 chunks.setdefault(owner, []).append((param, state))
     result: dict[int, ParamState] = {}
@@ -151,6 +159,28 @@ def param_states(inner: torch.optim.Optimizer, shards: list[LocalShard]) -> dict
     return result
 
 
+def _flattened(state: dict[str, Any], param: Tensor, slot: ParamSlot) -> dict[str, Any]:
+    """A whole param's state with its element-wise values (of the param's shape) flattened in
+    the slot's memory order, as the pieces of element-wise classes are; other values (Adafactor's
+    row and column factors) as they are."""
+    return {
+        key: flatten_to_slot(value, slot) if is_elementwise(value, param) else value
+        for key, value in state.items()
+    }
+
+
+def _unflattened(state: ParamState, param: Tensor, slot: ParamSlot) -> dict[str, Any]:
+    """The inverse of :func:`_flattened` for a whole param's local state: a 1-D value of the
+    param's numel becomes a tensor of the param's shape and strides (for a 1-D param it already
+    is one); other values are copied as they are."""
+    return {
+        key: view_slot(value.clone(), slot)
+        if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == param.numel()
+        else _copy(value)
+        for key, value in state.items()
+    }
+
+
 def load_param_states(
     inner: torch.optim.Optimizer,
     shards: list[LocalShard],
@@ -165,11 +195,15 @@ def load_param_states(
     offsets: dict[int, int] = {}
     inner_state: dict[int, dict[str, Any]] = {}
     for shard in shards:
+        slots = {slot.param_index: slot for slot in shard.bucket.slots}
         for param, owner in zip(shard.inner_params, shard.inner_owners, strict=True):
             state = states.get(owner)
             start = offsets.get(owner, 0)
             offsets[owner] = start + param.numel()
             if not state:
+                continue
+            if shard.bucket.whole_params:
+                inner_state[position[id(param)]] = _unflattened(state, param, slots[owner])
                 continue
             # Scalars are cloned per inner param: optimizers update ``step`` in place, so a
             # tensor shared by a param's chunks would be advanced once per chunk.

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fusion.buffers import FlatBuffers
+from fusion.buffers import FlatBuffers, view_slot
 from fusion.layout import BucketPlan, ShardPiece
 
 CPU_CHUNK_BYTES = 1024 * 1024
@@ -157,6 +157,9 @@ def build_local_shard(
         stepped = param_view.detach()
     stepped_grad = reduced_grad if reduced_grad.dtype == stepped.dtype else torch.zeros_like(stepped)
     shard = LocalShard(bucket, param_view, reduced_grad, stepped, stepped_grad, pieces, [], [], [])
+    if bucket.whole_params:
+        _add_whole_params(shard)
+        return shard
     chunk_numel = _chunk_numel(stepped)
     for piece in pieces:
         # A zero-element param's empty piece still gets one (empty) inner param: torch steps it.
@@ -169,6 +172,25 @@ def build_local_shard(
             shard.inner_grads.append(grad)
             shard.inner_owners.append(piece.param_index)
     return shard
+
+
+def _add_whole_params(shard: LocalShard) -> None:
+    """One inner param per piece, each a whole param in its own shape and strides (never cut
+    into chunks): see Note [Whole params per owner] in ``fusion/layout.py``."""
+    slots = {slot.param_index: slot for slot in shard.bucket.slots}
+    for piece in shard.pieces:
+        slot = slots[piece.param_index]
+        if piece.param_start != 0 or piece.numel != slot.numel:
+            raise RuntimeError(
+                f"build_local_shard: param {piece.param_index} is not whole in its owner's shard"
+            )
+        end = piece.shard_start + piece.numel
+        inner = view_slot(shard.stepped.detach()[piece.shard_start : end], slot).detach().requires_grad_(True)
+        grad = view_slot(shard.stepped_grad[piece.shard_start : end], slot)
+        inner.grad = grad
+        shard.inner_params.append(inner)
+        shard.inner_grads.append(grad)
+        shard.inner_owners.append(piece.param_index)
 
 
 def _chunk_numel(stepped: Tensor) -> int:

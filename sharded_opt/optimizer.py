@@ -164,7 +164,7 @@ from sharded_opt.strategy import Strategy
 from sharded_opt.streams import on_stream
 from sharded_opt.validation import (
     DROP_DDP,
-    ELEMENTWISE_OPTIMIZERS,
+    TORCH_OPTIMIZERS,
     check_optimizer,
     check_same_layout,
     check_trained_modules,
@@ -240,7 +240,7 @@ class ShardingStage1(torch.optim.Optimizer):
         device_mesh: DeviceMesh | None = None,
     ) -> None:
         config = _resolve_config(strategy, overlap)
-        check_optimizer(optimizer, assume_elementwise)
+        needs = check_optimizer(optimizer, assume_elementwise)
         _check_not_stepped(optimizer)
         params, specs = collect_params(optimizer)
         if model is not None:
@@ -264,18 +264,20 @@ class ShardingStage1(torch.optim.Optimizer):
             align_bytes=config.align_bytes,
             bucket_size_bytes=bucket_sizes.bucket_bytes,
             first_bucket_bytes=bucket_sizes.first_bucket_bytes,
+            whole_param_cost=needs.param_cost if needs.whole_params else None,
         )
         precisions = [
             resolve_precision(bucket.dtype, config.reduce_dtype, config.master_dtype)
             for bucket in self.plan.buckets
         ]
-        if type(optimizer) in ELEMENTWISE_OPTIMIZERS:  # Note [Refused at the first step]
+        if type(optimizer) in TORCH_OPTIMIZERS:  # Note [Refused at the first step]
             check_steps(
                 optimizer,
                 {
                     (b.group_index, p.master_dtype, b.device)
                     for b, p in zip(self.plan.buckets, precisions, strict=True)
                 },
+                probe_shape=(2, 2) if needs.whole_params else (2,),
             )
         self._buffers = FlatBuffers(self.plan, params)
         self._broadcast_from_first_rank()
@@ -320,7 +322,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._local_presence = bytearray(len(params))
         # See Note [Step pipeline]: torch's own classes keep all state per param, so stepping
         # them bucket by bucket is exact; another class may keep state per step() call.
-        self._step_per_bucket = world_size > 1 and type(optimizer) in ELEMENTWISE_OPTIMIZERS
+        self._step_per_bucket = world_size > 1 and needs.state_per_param
         self._param_waiter: ParamReadyWaiter | None = None
         self._param_names: dict[int, str] = {}
         self._grads_reduced = False

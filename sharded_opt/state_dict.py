@@ -137,11 +137,16 @@ def _sum_over_group(tensor: Tensor, optimizer: ShardingStage1, to_rank: int | No
         )
 
 
-def expected_state_keys(optimizer: ShardingStage1, hyper: dict[str, Any]) -> dict[str, bool]:
+def expected_state_keys(
+    optimizer: ShardingStage1, hyper: dict[str, Any], probe_shape: tuple[int, ...] = (2,)
+) -> dict[str, bool]:
     """State keys the optimizer class keeps for a param of a group configured by ``hyper``, each
-    mapped to whether it is element-wise, found by stepping a throwaway copy on a 2-element param."""
+    mapped to whether it is element-wise, found by stepping a throwaway copy on a param of
+    ``probe_shape``: 2 elements, or for a class that steps whole params, 2 along each of the
+    param's dims (Adafactor keeps other keys for matrices than for vectors, Muon takes only
+    matrices)."""
     inner = optimizer._inner
-    probe = torch.zeros(2, dtype=optimizer.plan.buckets[0].dtype, requires_grad=True)
+    probe = torch.zeros(probe_shape, dtype=optimizer.plan.buckets[0].dtype, requires_grad=True)
     probe.grad = torch.zeros_like(probe)
     throwaway = type(inner)([{**hyper, "params": [probe]}], **constructor_kwargs(inner))
     throwaway.step()
@@ -162,12 +167,12 @@ def load_state_dict(optimizer: ShardingStage1, state_dict: dict[str, Any]) -> No
         )
     saved_state = {by_position[k]: v for k, v in state_dict["state"].items()}
     group_of = [g for g, group in enumerate(saved_groups) for _ in group["params"]]
-    expected = [expected_state_keys(optimizer, hyperparameters(group)) for group in saved_groups]
+    expected = _ExpectedKeys(optimizer, saved_groups, group_of)
     for position, entry in saved_state.items():
-        _check_param_state(optimizer, position, params[position], entry, expected[group_of[position]])
+        _check_param_state(optimizer, position, params[position], entry, expected.of(position))
     for position in saved_state:
         optimizer._materialize(optimizer.plan.slot(position).bucket_index)
-    local_states = _local_states(optimizer, saved_state, expected, group_of)
+    local_states = _local_states(optimizer, saved_state, expected)
     for ours, saved in zip(optimizer.param_groups, saved_groups, strict=True):
         ours.update(hyperparameters(saved))
     load_param_states(optimizer._inner, optimizer._comm.live_shards(), local_states, optimizer.param_groups)
@@ -218,11 +223,31 @@ def _check_param_state(
             )
 
 
+class _ExpectedKeys:
+    """:func:`expected_state_keys` per param position: one probe per saved group, and for a
+    class that steps whole params per group and number of dims."""
+
+    def __init__(
+        self, optimizer: ShardingStage1, saved_groups: list[dict[str, Any]], group_of: list[int]
+    ) -> None:
+        self._optimizer = optimizer
+        self._saved_groups = saved_groups
+        self._group_of = group_of
+        self._probed: dict[tuple[int, tuple[int, ...]], dict[str, bool]] = {}
+
+    def of(self, position: int) -> dict[str, bool]:
+        group = self._group_of[position]
+        bucket = self._optimizer.plan.buckets[self._optimizer.plan.slot(position).bucket_index]
+        shape = (2,) * len(self._optimizer._buffers.params[position].shape) if bucket.whole_params else (2,)
+        key = (group, shape)
+        if key not in self._probed:
+            hyper = hyperparameters(self._saved_groups[group])
+            self._probed[key] = expected_state_keys(self._optimizer, hyper, shape)
+        return self._probed[key]
+
+
 def _local_states(
-    optimizer: ShardingStage1,
-    saved_state: dict[int, dict],
-    expected: list[dict[str, bool]],
-    group_of: list[int],
+    optimizer: ShardingStage1, saved_state: dict[int, dict], expected: _ExpectedKeys
 ) -> dict[int, ParamState]:
     """Per param with saved state and a piece on this rank, its local state."""
     pieces = local_pieces(optimizer)
@@ -231,7 +256,7 @@ def _local_states(
         piece = pieces.get(position)
         if piece is None:
             continue
-        elementwise = expected[group_of[position]]
+        elementwise = expected.of(position)
         states[position] = {
             key: _cut(value, piece, optimizer.plan.slot(position)) if elementwise[key] else value
             for key, value in entry.items()

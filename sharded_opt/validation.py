@@ -12,30 +12,29 @@ from torch.distributed import ProcessGroup
 
 from fusion.layout import ParamSpec
 from sharded_opt.collectives import collective_timeout
+from sharded_opt.optimizer_needs import (
+    ASSUMED_ELEMENTWISE,
+    ELEMENTWISE,
+    NEEDS_ATTRIBUTE,
+    TORCH_OPTIMIZERS,
+    OptimizerNeeds,
+    declared_needs,
+)
 
 _MEMORY_OVERLAPS = 1
 """``torch._debug_has_internal_overlap``'s answer for a tensor some of whose elements share
 memory; torch's in-place ops (every optimizer update) refuse exactly those."""
 
-ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-    torch.optim.ASGD,
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    cls for cls, needs in TORCH_OPTIMIZERS.items() if needs is ELEMENTWISE
 )
 """Optimizers whose update of each element depends only on that element's own grad and state
 (plus scalars), so running them on an arbitrary flat slice of the params gives the same result
 as running them on whole params."""
 
 
-def check_optimizer(optimizer: object, assume_elementwise: bool) -> torch.optim.Optimizer:
+def check_optimizer(optimizer: object, assume_elementwise: bool) -> OptimizerNeeds:
+    """The optimizer's needs (see ``optimizer_needs``), or raise for what cannot be wrapped."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             "ShardingStage1 expects a torch.optim.Optimizer instance, e.g. "
@@ -48,14 +47,22 @@ def check_optimizer(optimizer: object, assume_elementwise: bool) -> torch.optim.
             "wrap each optimizer once and use the wrapper, or call the first wrapper's close() "
             "before wrapping it again"
         )
-    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS and not assume_elementwise:
-        supported = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
-        raise TypeError(
-            f"ShardingStage1 shards flat slices of params, which is only correct for element-wise "
-            f"optimizers ({supported}) but got {type(optimizer).__name__}. If every element's update "
-            "depends only on its own grad and state, pass assume_elementwise=True."
-        )
-    return optimizer
+    needs = declared_needs(type(optimizer))
+    if needs is not None:
+        return needs
+    if assume_elementwise:
+        return ASSUMED_ELEMENTWISE
+    elementwise = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+    whole = ", ".join(cls.__name__ for cls, n in TORCH_OPTIMIZERS.items() if n.whole_params)
+    name = type(optimizer).__name__
+    raise TypeError(
+        f"ShardingStage1 shards flat slices of params, which is only correct for element-wise "
+        f"optimizers ({elementwise}), and steps whole params, one owning rank each, for optimizers "
+        f"that need them ({whole}), but got {name}. If every element's update depends only on its "
+        "own grad and state, pass assume_elementwise=True; if the class needs whole params, declare "
+        f"it: {name}.{NEEDS_ATTRIBUTE} = sharded_opt.OptimizerNeeds(whole_params=True, "
+        "param_cost=...), see docs/muon-adafactor.md"
+    )
 
 
 def collect_params(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list[ParamSpec]]:
