@@ -422,8 +422,17 @@ def _build_owned_bucket(
         work_per_rank[rank] += bin_work[bin_index]
     layouts = [_pack(sorted(bins[owned[rank]], key=lambda m: -m[0]), align) for rank in range(world_size)]
     shard_numel = round_up(max(1, *(end for _, end in layouts)), align)
+    # A zero-element param packed last in a full shard would start where the next shard does;
+    # it occupies nothing, so it starts inside its owner's shard (the owner holds its state).
     slots = [
-        ParamSlot(index, bucket_index, rank * shard_numel + offset, spec.numel, spec.shape, spec.strides)
+        ParamSlot(
+            index,
+            bucket_index,
+            rank * shard_numel + (offset if spec.numel else min(offset, shard_numel - 1)),
+            spec.numel,
+            spec.shape,
+            spec.strides,
+        )
         for rank, (placed, _) in enumerate(layouts)
         for index, spec, offset in placed
     ]

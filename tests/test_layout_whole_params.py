@@ -75,15 +75,20 @@ def test_every_param_lies_whole_in_one_equal_aligned_shard(params, world_size, a
             rank = slot.offset // bucket.shard_numel
             start = slot.offset - rank * bucket.shard_numel
             assert start + slot.numel <= bucket.shard_numel, "a param crosses a shard boundary"
+            assert plan.owner(slot.param_index) == rank
+            # Exactly one piece, on the owner (a zero-size param's is empty: it still has state).
+            holders = [
+                r
+                for r in range(world_size)
+                for p in bucket.shard_pieces(r)
+                if (p.param_index, p.param_start, p.numel) == (slot.param_index, 0, slot.numel)
+            ]
+            assert holders == [rank]
+            if slot.numel == 0:
+                continue  # it occupies nothing; it starts inside its owner's shard
             # Laid out from the shard's start by the element-wise rules, owners' params in layout order.
             assert start == start_after(ends[rank], slot.numel, align, bucket.dtype.itemsize)
             ends[rank] = start + slot.numel
-            assert plan.owner(slot.param_index) == rank
-            if slot.numel:  # a zero-size param is no piece of any shard, as for element-wise ones
-                pieces = bucket.shard_pieces(rank)
-                assert (slot.param_index, 0, slot.numel) in [
-                    (p.param_index, p.param_start, p.numel) for p in pieces
-                ]
         # No more padding than the largest shard needs.
         assert bucket.shard_numel == round_up(max(1, *ends), align)
 
