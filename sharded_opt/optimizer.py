@@ -11,6 +11,8 @@ runtime objects with one job each (module map in ``docs/design.md``):
 - ``ParamSync`` (``param_sync``): the all-gathers and the waits for them.
 - ``ParamGuard`` (``param_guard``): params replaced after wrapping, DDP added after wrapping.
 - ``WrappedOptimizerGuard`` (``wrapped_guard``): the wrapped optimizer's refusals and hooks.
+
+The construction steps (config, layout, communicator) are in ``wrapper_init``.
 """
 
 from __future__ import annotations
@@ -29,23 +31,20 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
-from fusion.bucket_sizing import trainable_bytes
 from fusion.buffers import FlatBuffers
-from fusion.layout import LayoutPlan, plan_layout
 from sharded_opt import state_dict as state_dict_conversion
 from sharded_opt.bucket_comm import BucketCommunicator
 from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.grad_sync import GradSync
-from sharded_opt.hybrid_groups import ShardGroups, resolve_shard_groups
-from sharded_opt.inner_optimizer import build_inner_optimizer, check_steps, indexed_groups
-from sharded_opt.local_shard import BucketPrecision, resolve_precision
+from sharded_opt.hybrid_groups import resolve_shard_groups
+from sharded_opt.inner_optimizer import build_inner_optimizer, indexed_groups
 from sharded_opt.optimizer_shards import OptimizerShards
 from sharded_opt.param_guard import ParamGuard
 from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter, register_eager_pre_hook
 from sharded_opt.param_sync import ParamSync, broadcast_from_first_rank, broadcast_model_state, first_rank
 from sharded_opt.state_view import ShardedStateView
 from sharded_opt.step_pipeline import StepPipeline
-from sharded_opt.strategy import ShardingConfig, Strategy
+from sharded_opt.strategy import Strategy
 from sharded_opt.validation import (
     ELEMENTWISE_OPTIMIZERS,
     check_optimizer,
@@ -55,6 +54,7 @@ from sharded_opt.validation import (
 )
 from sharded_opt.weak_hooks import remove_handles
 from sharded_opt.wrapped_guard import ADD_GROUPS_FIRST, WrappedOptimizerGuard
+from sharded_opt.wrapper_init import build_communicator, check_not_stepped, plan_buckets, resolve_config
 
 
 class ShardingStage1(torch.optim.Optimizer):
@@ -123,9 +123,9 @@ class ShardingStage1(torch.optim.Optimizer):
         assume_elementwise: bool = False,
         device_mesh: DeviceMesh | None = None,
     ) -> None:
-        config = _resolve_config(strategy, overlap)
+        config = resolve_config(strategy, overlap)
         check_optimizer(optimizer, assume_elementwise)
-        _check_not_stepped(optimizer)
+        check_not_stepped(optimizer)
         params, specs = collect_params(optimizer)
         if model is not None:
             check_trained_modules(model, params)
@@ -140,10 +140,10 @@ class ShardingStage1(torch.optim.Optimizer):
         self.rank = rank
         self.world_size = world_size
         self.shard_groups = groups
-        self.plan, precisions = _plan(optimizer, specs, config, groups)
+        self.plan, precisions = plan_buckets(optimizer, specs, config, groups)
         buffers = FlatBuffers(self.plan, params)
         broadcast_from_first_rank(buffers, group, world_size)
-        comm = _communicator(buffers, groups, config, precisions)
+        comm = build_communicator(buffers, groups, config, precisions)
         if optimizer.state:
             # The class creates state at construction (Adagrad): it exists for every param, frozen
             # or not, so every bucket needs its pieces now, as the plain optimizer has them.
@@ -601,92 +601,11 @@ class _Consolidated:
     state: dict[int, dict[str, Any]] | None
 
 
-def _resolve_config(strategy: Strategy | None, overlap: bool | None):
-    if strategy is None:
-        strategy = Strategy()
-    elif not isinstance(strategy, Strategy):
-        raise TypeError(
-            f"ShardingStage1 expects strategy to be a sharded_opt.Strategy but got {type(strategy).__name__}"
-        )
-    if overlap is not None and not isinstance(overlap, bool):
-        raise TypeError(f"ShardingStage1 expects overlap to be a bool or None but got {overlap!r}")
-    config = dataclasses.replace(strategy.sharding)
-    if overlap is not None:
-        config.enable_overlap = overlap
-    if not config.enable and config.degree is not None:
-        raise ValueError(
-            f"ShardingStage1 got Strategy().sharding.degree={config.degree} with enable=False: without "
-            "sharding every rank holds all state and there are no shard groups to size. Set "
-            "enable=True for hybrid sharding, or degree=None for plain data parallel"
-        )
-    return config
-
-
-def _plan(
-    optimizer: torch.optim.Optimizer, specs: list, config: ShardingConfig, groups: ShardGroups
-) -> tuple[LayoutPlan, list[BucketPrecision]]:
-    """The bucket layout and each bucket's precisions; settings torch refuses only at the first
-    step are refused now (Note [Refused at the first step] in ``inner_optimizer``)."""
-    sharded = config.enable and groups.shard_size > 1
-    bucket_sizes = config.bucket_sizes(trainable_bytes(specs))
-    plan = plan_layout(
-        specs,
-        groups.shard_size if sharded else 1,
-        align_bytes=config.align_bytes,
-        bucket_size_bytes=bucket_sizes.bucket_bytes,
-        first_bucket_bytes=bucket_sizes.first_bucket_bytes,
-    )
-    precisions = [
-        resolve_precision(bucket.dtype, config.reduce_dtype, config.master_dtype) for bucket in plan.buckets
-    ]
-    if type(optimizer) in ELEMENTWISE_OPTIMIZERS:
-        check_steps(
-            optimizer,
-            {
-                (b.group_index, p.master_dtype, b.device)
-                for b, p in zip(plan.buckets, precisions, strict=True)
-            },
-        )
-    return plan, precisions
-
-
-def _communicator(
-    buffers: FlatBuffers, groups: ShardGroups, config: ShardingConfig, precisions: list[BucketPrecision]
-) -> BucketCommunicator:
-    if config.enable and groups.shard_size > 1:
-        return BucketCommunicator(
-            buffers,
-            groups.shard,
-            groups.shard_rank,
-            groups.shard_size,
-            True,
-            precisions,
-            replicate_group=groups.replicate,
-            point_to_point=config.gloo_point_to_point,
-        )
-    world = groups.world
-    return BucketCommunicator(
-        buffers, world, dist.get_rank(world), dist.get_world_size(world), False, precisions
-    )
-
-
 def _check_norm_type(api: str, norm_type: float) -> float:
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"ShardingStage1.{api} expects norm_type > 0 (or inf) but got {norm_type}")
     return norm_type
-
-
-def _check_not_stepped(optimizer: torch.optim.Optimizer) -> None:
-    # An empty entry is what reading ``optimizer.state[p]`` leaves (schedule-free's train()).
-    stepped = [state for state in optimizer.state.values() if state and float(state.get("step", 1)) > 0]
-    if stepped:
-        raise ValueError(
-            f"ShardingStage1 expects an optimizer that has not stepped yet but it holds state for "
-            f"{len(stepped)} params, which would be lost; wrap the optimizer before training. To "
-            "resume from a checkpoint, load its optimizer state into the wrapper instead: "
-            "opt = ShardingStage1(optimizer, ...); opt.load_state_dict(checkpoint_state) (on every rank)"
-        )
 
 
 def _replaced_by(hook_result: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
