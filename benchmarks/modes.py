@@ -137,7 +137,7 @@ class CommOnlyRunner(Runner):
     def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
         optimizer = self.optimizer
         assert isinstance(optimizer, ShardingStage1)
-        comm = optimizer._comm  # no public comm-only entry point yet
+        comm = optimizer._shards.comm  # no public comm-only entry point yet
         for bucket in optimizer.plan.buckets:
             comm.start_grad_sync(bucket.index)
         comm.finish_grad_sync()

@@ -178,7 +178,7 @@ class BucketCommunicator:
         bucket); the optimizer's grads of those buckets are then final.
 
         ``step()`` finishes one bucket at a time to step each shard as soon as its reduction
-        lands (Note [Step pipeline] in ``optimizer``). Finish a bucket once per reduction: a
+        lands (Note [Step pipeline] in ``step_pipeline``). Finish a bucket once per reduction: a
         second call copies the reduced grads into the stepped ones again, undoing a clip.
         """
         indices = range(len(self._grad_works)) if bucket_indices is None else bucket_indices

@@ -28,7 +28,7 @@ Note [Frozen after backward]
     one does is a fact of each rank's own, so it is not decided here: such buckets are passed
     over during backward, and ``step()`` reduces them after all the others, once the presence
     flags every rank agreed on say that some rank holds a grad there (Note [Collectives from
-    agreed state] in ``optimizer``). Before any reduction a frozen param's slot is settled: it
+    agreed state] in ``grad_sync``). Before any reduction a frozen param's slot is settled: it
     keeps a grad the param received and still holds, and is zeroed otherwise (it may hold a
     grad that ``model.zero_grad()`` set to None since; averaged with another rank's present
     grad, it put 13 % errors into the step).
@@ -125,7 +125,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -138,41 +138,62 @@ from sharded_opt.weak_hooks import CopiesAsInert, WeakMethodHook, remove_handles
 _requires_grad = operator.attrgetter("requires_grad")
 
 
+class ShardMaterializer(Protocol):
+    """Gives a bucket its grad buffer and local shard (idempotent); asked when a param of a
+    bucket that has none starts to require grad."""
+
+    def materialize(self, bucket_index: int) -> None: ...
+
+
+class GradStreamRecorder(Protocol):
+    """Remembers the current stream as one that accumulated grads of a bucket, so the bucket's
+    reduction can wait for every stream that wrote its grads (accelerators only, see Note
+    [Streams and events])."""
+
+    def note_grad_stream(self, bucket_index: int) -> None: ...
+
+
+class GradSyncLauncher(Protocol):
+    """What overlap mode's hooks drive: the start of each bucket's reduction."""
+
+    def start_bucket_grad_sync(self, bucket_index: int) -> None:
+        """Issue one bucket's reduction; called once per taking-part bucket per iteration, in
+        bucket order."""
+
+    def all_buckets_launched(self) -> None:
+        """Called once per iteration right after the last bucket was launched."""
+
+    def restart_grad_sync(self) -> None:
+        """Wait for this iteration's reductions and forget them, so that a second backward
+        before ``step()`` reduces the grads again (Note [A second backward]); raises where a
+        reduction overwrote the grad buffers."""
+
+
 class GradReadyTracker:
-    """Records which params got a grad and, given ``start_grad_sync``, launches bucket
-    reductions in bucket order as their grads complete.
+    """Records which params got a grad and, given a ``launcher``, launches bucket reductions in
+    bucket order as their grads complete.
 
     Args:
         buffers: the flat buffers whose params get hooks.
-        materialize: gives a bucket its grad buffer and local shard (idempotent); called when a
-            param of a bucket that has none starts to require grad.
-        start_grad_sync: issues one bucket's reduction; called once per taking-part bucket per
-            iteration, in bucket order. None (sync mode): only record grads.
-        on_all_launched: called once per iteration right after the last bucket was launched.
-        note_grad_stream: called with the bucket index from every hook that accumulated a grad
-            (no_sync included), so the bucket's reduction can wait for every stream that wrote
-            its grads; None on CPU and in sync mode. See Note [Streams and events].
-        restart_grad_sync: waits for this iteration's reductions and forgets them, so that a
-            second backward before ``step()`` reduces the grads again (Note [A second
-            backward]); None where a reduction overwrites the grad buffers: a second backward
-            then raises.
+        shards: gives a bucket its grad buffer and local shard when a param of a bucket that has
+            none starts to require grad.
+        launcher: the grad-sync side that issues the reductions (overlap mode). None (sync
+            mode): only record grads.
+        grad_streams: told the bucket index from every hook that accumulated a grad (no_sync
+            included); None on CPU and in sync mode. See Note [Streams and events].
     """
 
     def __init__(
         self,
         buffers: FlatBuffers,
-        materialize: Callable[[int], None],
-        start_grad_sync: Callable[[int], None] | None = None,
-        on_all_launched: Callable[[], None] | None = None,
-        note_grad_stream: Callable[[int], None] | None = None,
-        restart_grad_sync: Callable[[], None] | None = None,
+        shards: ShardMaterializer,
+        launcher: GradSyncLauncher | None = None,
+        grad_streams: GradStreamRecorder | None = None,
     ) -> None:
         self._buffers = buffers
-        self._restart_grad_sync = restart_grad_sync
-        self._materialize = materialize
-        self._start_grad_sync = start_grad_sync
-        self._on_all_launched = on_all_launched
-        self._note_grad_stream = note_grad_stream
+        self._shards = shards
+        self._launcher = launcher
+        self._grad_streams = grad_streams
         self._buckets = buffers.plan.buckets
         num_params = len(buffers.params)
         self._bucket_of = [-1] * num_params
@@ -198,7 +219,7 @@ class GradReadyTracker:
 
     @property
     def overlapping(self) -> bool:
-        return self._start_grad_sync is not None
+        return self._launcher is not None
 
     def reset(self) -> None:
         """Start a new iteration: no grad counted, no bucket launched, requires_grad re-read at
@@ -256,7 +277,7 @@ class GradReadyTracker:
 
     def _hook(self, index: int, bucket_index: int, param: Tensor) -> None:
         arrived_before_hook = param.grad is not None and param.grad is not self._buffers.grad_views[index]
-        self._materialize(bucket_index)
+        self._shards.materialize(bucket_index)
         hook = _AccumulateGradHook(self, index, bucket_index)
         self.handles.append(param.register_post_accumulate_grad_hook(hook))
         self._hooked[index] = 1
@@ -269,7 +290,7 @@ class GradReadyTracker:
 
     def takes_part(self, bucket_index: int) -> bool:
         """Whether the bucket has a param that requires grad (as of the last scan): the same on
-        every rank, see Note [Collectives from agreed state] in ``optimizer``."""
+        every rank, see Note [Collectives from agreed state] in ``grad_sync``."""
         return self._expected[bucket_index] > 0
 
     def frozen_buckets(self) -> list[int]:
@@ -337,13 +358,7 @@ class GradReadyTracker:
 
     def _restart(self) -> None:
         """A second backward before ``step()``, see Note [A second backward]."""
-        if self._restart_grad_sync is None:
-            raise RuntimeError(
-                "ShardingStage1(overlap=True): a second backward ran before step(), after the "
-                "grads of this iteration were already reduced in place; they would be lost. Run all "
-                "but the last backward inside `with opt.no_sync():` (gradient accumulation)"
-            )
-        self._restart_grad_sync()
+        self._launcher.restart_grad_sync()
         self.reset()
         self._scanned = True  # this hook already scanned requires_grad
         self._in_backward = True  # and this backward's end is queued
@@ -358,10 +373,10 @@ class GradReadyTracker:
     def _launch(self, bucket_index: int) -> None:
         if self.takes_part(bucket_index):
             self.settle_frozen(bucket_index)
-            self._start_grad_sync(bucket_index)
+            self._launcher.start_bucket_grad_sync(bucket_index)
         self._next_to_launch = bucket_index + 1
-        if self._next_to_launch == len(self._buckets) and self._on_all_launched is not None:
-            self._on_all_launched()
+        if self._next_to_launch == len(self._buckets):
+            self._launcher.all_buckets_launched()
 
     def adopt_all(self) -> None:
         """Re-point every grad of a param that requires grad into its buffer (sync mode, before
@@ -373,7 +388,7 @@ class GradReadyTracker:
 
     def flush(self) -> None:
         """Launch every bucket not launched yet, in order, with missing grads as zeros."""
-        if self.accumulate_only or self._start_grad_sync is None:
+        if self.accumulate_only or self._launcher is None:
             return
         if not self._scanned:
             self.scan()
@@ -464,13 +479,13 @@ class _AccumulateGradHook(CopiesAsInert):
         tracker.received[index] = 1
         # A view shares its bucket buffer's version counter, see Note [Grads written after backward].
         tracker._grad_versions[bucket_index] = self._grad_view._version
-        if tracker._note_grad_stream is not None:
-            tracker._note_grad_stream(bucket_index)
+        if tracker._grad_streams is not None:
+            tracker._grad_streams.note_grad_stream(bucket_index)
         if not tracker._scanned:
             tracker.scan()
         if not tracker._in_backward:
             tracker._begin_backward()
-        if tracker._start_grad_sync is not None and not tracker.accumulate_only:
+        if tracker._launcher is not None and not tracker.accumulate_only:
             tracker._count(index, bucket_index)
 
 
@@ -478,7 +493,7 @@ def _retire_older_hooks(params: list[Tensor]) -> None:
     """Silence the hooks an older tracker (a previous wrapper still alive, not yet closed or
     collected) left on ``params``: the params' grads now belong to the new tracker's buffers.
     Ownership is decided here, once, and not by where ``param.data`` lives, so a param whose
-    data the user replaced (Note [Params replaced after wrapping] in ``sharded_opt/optimizer.py``)
+    data the user replaced (Note [Params replaced after wrapping] in ``sharded_opt/param_guard.py``)
     keeps reporting its grads."""
     for param in params:
         hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}

@@ -12,7 +12,7 @@ Note [Presence per bucket]
     overlap mode; sync mode launches at ``step()``). Where the flags share the reductions' group
     (NCCL), each bucket's flags are all-reduced right before its own reduce-scatter: they land
     just before its grads, and the step can take the bucket as soon as its reduce-scatter
-    completes (Note [Step pipeline] in ``optimizer``). Buckets that take no part in the
+    completes (Note [Step pipeline] in ``step_pipeline``). Buckets that take no part in the
     reduction (every param frozen now, though a param may still hold an old grad that torch
     would step) share theirs in one all-reduce after the last launch.
 

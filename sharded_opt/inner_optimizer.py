@@ -108,7 +108,7 @@ def check_steps(
 
 def step_without_hooks(optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
     """``optimizer.step(**kwargs)`` without the pre/post-hook wrapper torch puts around every
-    optimizer class's ``step`` (Note [Step hooks] in ``optimizer``); the profiler range stays."""
+    optimizer class's ``step`` (Note [Step hooks] in ``wrapped_guard``); the profiler range stays."""
     step = type(optimizer).step
     if getattr(step, "hooked", False):
         step = step.__wrapped__

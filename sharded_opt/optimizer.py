@@ -1,133 +1,26 @@
 """``ShardingStage1``: ZeRO stage 1 around an existing ``torch.optim`` optimizer.
 
-Note [Step pipeline]
-    Buckets' reductions land in bucket order (bucket 0 holds the last layers, whose grads
-    backward produces first; gloo completes a group's collectives in issue order). ``step()``
-    therefore takes the buckets in that order: it waits for bucket 0's reduction alone, steps
-    bucket 0's shard, then waits for bucket 1, and so on, so the optimizer works while later
-    reductions are still on the wire, instead of waiting for all of them first (Megatron's
-    ``overlap_param_gather_with_optimizer_step`` idea). The presence flags travel just before
-    each bucket's reduction, or on gloo on a group of their own right after the last one (Note
-    [Presence per bucket] in ``grad_presence``), so nothing else has to land first.
+The class is the ``torch.optim.Optimizer`` surface a torch user reads; each method delegates to
+runtime objects with one job each (module map in ``docs/design.md``):
 
-    A bucket's step is one call of the wrapped optimizer's ``step`` over that bucket's pieces
-    only (its param groups temporarily hold just them; pieces of params without a grad are left
-    out as before). torch's element-wise optimizers keep every piece of state per param
-    (``step`` included), so N calls over disjoint pieces compute bitwise what one call over all
-    of them does. A class that is not one of torch's own (``assume_elementwise=True``) may keep
-    state per call, so it is stepped once, over every bucket, after every reduction; so is any
-    optimizer on one rank, where there is nothing to wait for.
+- ``OptimizerShards`` (``optimizer_shards``): the layout, the flat buffers, this rank's shards
+  and the inner optimizer; what the state conversions read.
+- ``GradSync`` (``grad_sync``): which grads are ready and present, when each bucket's reduction
+  starts and finishes, reuse of the last step's grads, frozen buckets.
+- ``StepPipeline`` (``step_pipeline``): each bucket's shard stepped as its reduction lands.
+- ``ParamSync`` (``param_sync``): the all-gathers and the waits for them.
+- ``ParamGuard`` (``param_guard``): params replaced after wrapping, DDP added after wrapping.
+- ``WrappedOptimizerGuard`` (``wrapped_guard``): the wrapped optimizer's refusals and hooks.
 
-    ``clip_grad_norm_`` and ``ShardedGradScaler`` need every shard's grads before any step (a
-    global norm, a global inf flag): they finish every reduction themselves, and the pipeline
-    then only steps.
-
-    All-gathers: each bucket's all-gather starts behind the last optimizer op of its own step
-    (``start_param_sync`` makes the comm stream wait for it). They are issued after the whole
-    step, in forward order (reverse bucket index), not one after each bucket's step: the
-    latter queues them in backward order, and gloo runs a group's collectives in issue order,
-    so the next forward's first module (last bucket) would wait for every all-gather; see
-    ``benchmarks/results/2026-12-03-pipeline-cpu-2core.md`` for both measured.
-
-Note [Collectives from agreed state]
-    Collectives must be issued alike on every rank: the same ones, in the same order, or the
-    ranks wait for each other until the timeout (and gloo may pair up different ones). So every
-    branch that decides whether, which or how many collectives a rank issues reads only state
-    that is the same on every rank: the layout (the same params, world size and options), what
-    every rank's training loop does alike (as DDP also requires: the same calls of ``step()``,
-    ``zero_grad()``, ``clip_grad_norm_``, the scaler and the checkpoint APIs, the same number of
-    backwards, the same ``requires_grad`` flags), or a value the ranks agreed on through a
-    collective. Never a rank's own grads: which params got a grad differs between ranks (a
-    branch or expert that runs on some ranks only). Decision by decision:
-
-    - Which buckets are reduced (``GradReadyTracker.takes_part``): those with a param that
-      requires grad, in bucket order; during backward as they complete, the rest at the end of
-      backward (overlap) or all at ``step()`` (sync). Buckets whose params are all frozen now:
-      after the others, where the agreed presence flags show a grad on some rank
-      (``_start_frozen_grad_sync``, Note [Frozen after backward] in ``grad_hooks``). This was a
-      rank's own fact before ("this rank holds a grad in a frozen param") and hung 2-4 ranks.
-    - Presence flags (``_share_presence``): every bucket's, once per iteration: per bucket right
-      before the reductions above where they share the group, the rest in one all-reduce
-      after the last launch (Note [Presence per bucket] in ``grad_presence``). Their values
-      differ per rank; which buckets' flags go in which all-reduce does not.
-    - Reducing again (Note [A second backward]) and reusing the last step's grads (Note [A step
-      without backward]): read from the hooks' and the buffers' state, the same on every rank
-      when every rank runs the same number of backwards.
-    - Which shards are stepped and all-gathered (``_step_pipeline``): the agreed presence flags;
-      the all-gathers in the one gather order. Per-module waits for them issue nothing.
-    - The replica all-reduce of hybrid sharding: one after each bucket's reduce-scatter, issued
-      in bucket order (Note [Replica all-reduce order] in ``bucket_comm``).
-    - ``clip_grad_norm_`` (one norm all-reduce), the scaler (one found-inf all-reduce per
-      ``unscale_``), ``state_dict``/checkpoints (collectives fixed by the layout and the world
-      size; the collective guard raises when a rank did not call them): issued per call, and
-      every rank makes the call. Absent grads are zeroed from the agreed flags before a norm.
-    - ``close()`` and ``sync_params()`` wait for collectives already issued and issue none.
-
-    ``tests/differential.py`` runs its programs with torch's collective check (Note in its
-    ``check_collectives_across_ranks``), so a rank that breaks this fails loudly in the tests.
-
-Note [Params replaced after wrapping]
-    Code outside the wrapper replaces ``param.data`` rather than writing into it: WGAN and
-    old scripts write ``p.data = p.data.clamp(-c, c)``, weight loading code assigns
-    ``p.data = tensor``, and cuDNN's ``flatten_parameters`` on a GPU moves an RNN's weights into
-    a new blob of its own (after ``model.cuda()``, or when it finds them scattered). In plain
-    torch the param simply holds the new values from then on. Here the optimizer steps the flat
-    buffer, so ``step()`` (and ``clip_grad_norm_``) first takes such a param back: the new
-    values are copied into its slot and ``.data`` is pointed at the slot again, as
-    ``adopt_grad`` does for an assigned grad. Its grads keep flowing meanwhile: a param's grad
-    hook stops reporting only when a newer wrapper takes the param, never because ``.data``
-    moved. What cannot be taken back raises: a new dtype or device (``model.half()``,
-    ``model.to(...)``), a new shape, or memory of another param (``a.data = b.data`` ties two
-    params, which separate slots cannot). Every rank must replace alike, as every write to
-    params must be.
-
-    A new shape (Hugging Face's ``resize_token_embeddings`` after wrapping) would not even reach
-    ``step()``: the next backward fails inside autograd adding the new-shape grad to the param's
-    old-shape grad view. So the attached model's first forward pre-hook refuses it in forwards
-    with grad enabled (one C-level pass over the params' data pointers per forward; forwards
-    without grad, such as ``generate()``, work as in torch). The fix it names, a new optimizer
-    and wrapper, must work while the old wrapper lives on: the new layout drops the leftover
-    grad of the old shape (in torch it would be None after ``zero_grad()``), and the old
-    wrapper's check passes over params a newer layout took (``FlatBuffers.owns``).
-
-Note [A step without backward]
-    torch's ``step()`` reads ``param.grad``, and after a step those are the grads it stepped
-    with, averaged (by DDP), clipped, unscaled: a second ``step()`` with no backward in between
-    (an SAM-like loop, a retried step, a skipped iteration without ``zero_grad()``) steps again
-    with exactly them. Here ``param.grad`` holds the local grads and the averaged shard the
-    optimizer stepped sits in the shard's own tensors; reducing the local grads again would
-    drop a clip or an unscaling done on the shard (and on some world sizes round the mean anew).
-    So ``step()`` records the grad buffers' versions and which params' grads are the buffers'
-    views, and the next reduction (``step()``, ``clip_grad_norm_``, ``clip_grad_value_``, the
-    scaler's) reuses the shard's grads when nothing changed since: no backward accumulated
-    (it bumps the buffer's version), no ``zero_grad`` ran, no grad was assigned or set to None.
-    Only the presence flags are shared again, so params without a grad stay unstepped.
-
-Note [Step hooks]
-    Hooks registered with ``register_step_pre_hook``/``register_step_post_hook`` on the wrapped
-    torch optimizer (an EMA update, a logger, a library's bookkeeping), before or after
-    wrapping, fire around every ``step()`` of the wrapper, as they fired around the torch
-    optimizer's own step: the wrapper registers two hooks of its own, first in its hook lists,
-    that run the wrapped optimizer's current hooks with the wrapped optimizer as their first
-    argument (a pre-hook may replace the arguments, as in torch). The wrapper's own hooks and
-    torch's global ones fire as for any optimizer. The inner optimizer's per-bucket steps are
-    an implementation detail: they run its class's step without torch's hook wrapper, so a
-    global hook (``register_optimizer_step_post_hook``) fires once per ``step()``, never once
-    per bucket with the inner optimizer. When ``ShardedGradScaler`` skips the update, the
-    wrapper's step (and its own hooks) still runs, as a fused optimizer's does; the wrapped
-    optimizer's hooks fire then only if its class takes ``found_inf`` itself (fused Adam):
-    for any other class ``GradScaler.step`` would not have called its ``step`` at all, and an
-    EMA hook would average in a step that never happened.
+The construction steps (config, layout, communicator) are in ``wrapper_init``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -138,39 +31,29 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
-from fusion.bucket_sizing import trainable_bytes
 from fusion.buffers import FlatBuffers
-from fusion.layout import LayoutPlan, plan_layout
-from sharded_opt import collectives
 from sharded_opt import state_dict as state_dict_conversion
 from sharded_opt.bucket_comm import BucketCommunicator
 from sharded_opt.collective_guard import check_all_ranks_enter
-from sharded_opt.grad_hooks import GradReadyTracker
-from sharded_opt.grad_presence import GradPresence, presence_group
+from sharded_opt.grad_sync import GradSync
 from sharded_opt.hybrid_groups import resolve_shard_groups
-from sharded_opt.inner_optimizer import (
-    add_shard,
-    build_inner_optimizer,
-    check_steps,
-    copy_group_updates,
-    hyperparameters,
-    indexed_groups,
-    step_without_hooks,
-)
-from sharded_opt.local_shard import resolve_precision
+from sharded_opt.inner_optimizer import build_inner_optimizer, indexed_groups
+from sharded_opt.optimizer_shards import OptimizerShards
+from sharded_opt.param_guard import ParamGuard
 from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter, register_eager_pre_hook
+from sharded_opt.param_sync import ParamSync, broadcast_from_first_rank, broadcast_model_state, first_rank
 from sharded_opt.state_view import ShardedStateView
+from sharded_opt.step_pipeline import StepPipeline
 from sharded_opt.strategy import Strategy
-from sharded_opt.streams import on_stream
 from sharded_opt.validation import (
-    DROP_DDP,
-    TORCH_OPTIMIZERS,
     check_optimizer,
     check_same_layout,
     check_trained_modules,
     collect_params,
 )
 from sharded_opt.weak_hooks import remove_handles
+from sharded_opt.wrapped_guard import ADD_GROUPS_FIRST, WrappedOptimizerGuard
+from sharded_opt.wrapper_init import build_communicator, check_not_stepped, plan_buckets, resolve_config
 
 
 class ShardingStage1(torch.optim.Optimizer):
@@ -239,9 +122,9 @@ class ShardingStage1(torch.optim.Optimizer):
         assume_elementwise: bool = False,
         device_mesh: DeviceMesh | None = None,
     ) -> None:
-        config = _resolve_config(strategy, overlap)
+        config = resolve_config(strategy, overlap)
         needs = check_optimizer(optimizer, assume_elementwise)
-        _check_not_stepped(optimizer)
+        check_not_stepped(optimizer)
         params, specs = collect_params(optimizer)
         if model is not None:
             check_trained_modules(model, params)
@@ -256,77 +139,26 @@ class ShardingStage1(torch.optim.Optimizer):
         self.rank = rank
         self.world_size = world_size
         self.shard_groups = groups
-        sharded = config.enable and groups.shard_size > 1
-        bucket_sizes = config.bucket_sizes(trainable_bytes(specs))
-        self.plan: LayoutPlan = plan_layout(
-            specs,
-            groups.shard_size if sharded else 1,
-            align_bytes=config.align_bytes,
-            bucket_size_bytes=bucket_sizes.bucket_bytes,
-            first_bucket_bytes=bucket_sizes.first_bucket_bytes,
-            whole_param_cost=needs.param_cost if needs.whole_params else None,
-        )
-        precisions = [
-            resolve_precision(bucket.dtype, config.reduce_dtype, config.master_dtype)
-            for bucket in self.plan.buckets
-        ]
-        if type(optimizer) in TORCH_OPTIMIZERS:  # Note [Refused at the first step]
-            check_steps(
-                optimizer,
-                {
-                    (b.group_index, p.master_dtype, b.device)
-                    for b, p in zip(self.plan.buckets, precisions, strict=True)
-                },
-                probe_shape=(2, 2) if needs.whole_params else (2,),
-            )
-        self._buffers = FlatBuffers(self.plan, params)
-        self._broadcast_from_first_rank()
-        if sharded:
-            self._comm = BucketCommunicator(
-                self._buffers,
-                groups.shard,
-                groups.shard_rank,
-                groups.shard_size,
-                True,
-                precisions,
-                replicate_group=groups.replicate,
-                point_to_point=config.gloo_point_to_point,
-            )
-        else:
-            self._comm = BucketCommunicator(self._buffers, group, rank, world_size, False, precisions)
+        self.plan, precisions = plan_buckets(optimizer, needs, specs, config, groups)
+        buffers = FlatBuffers(self.plan, params)
+        broadcast_from_first_rank(buffers, group, world_size)
+        comm = build_communicator(buffers, groups, config, precisions)
         if optimizer.state:
             # The class creates state at construction (Adagrad): it exists for every param, frozen
             # or not, so every bucket needs its pieces now, as the plain optimizer has them.
             for bucket in self.plan.buckets:
-                self._comm.materialize(bucket.index)
-        self._inner = build_inner_optimizer(optimizer, self._comm.live_shards())
-        # Forward order is registration order (buckets are laid out in reverse), see
-        # Note [No stale params].
-        self._gather_order = list(reversed(range(len(self.plan.buckets))))
-        self._grad_tracker = GradReadyTracker(
-            self._buffers,
-            self._materialize,
-            self._start_bucket_sync if self.overlap else None,
-            self._start_unlaunched_presence if self.overlap else None,
-            self._comm.note_grad_stream if self.overlap and self._comm.stream is not None else None,
-            self._restart_grad_sync if self.overlap and (self._comm.sharded or world_size == 1) else None,
-        )
-        flags_group = presence_group(groups, self._flag_device)
-        self._presence = GradPresence(
-            self.plan.buckets,
-            flags_group,
-            world_size,
-            self._flag_device,
-            per_bucket=world_size > 1 and flags_group is groups.world,
-        )
-        self._local_presence = bytearray(len(params))
+                comm.materialize(bucket.index)
+        inner = build_inner_optimizer(optimizer, comm.live_shards())
+        # ``self`` owns the param groups; the cycle through it keeps a dropped wrapper (and its
+        # hooks) alive until the garbage collector runs, as it always did.
+        self._shards = OptimizerShards(self.plan, buffers, comm, inner, self, groups, group, rank, world_size)
+        self._grad_sync = GradSync(self._shards, self.overlap)
+        self._param_sync = ParamSync(comm)
+        self._param_guard = ParamGuard(buffers, self._param_sync)
         # See Note [Step pipeline]: torch's own classes keep all state per param, so stepping
         # them bucket by bucket is exact; another class may keep state per step() call.
-        self._step_per_bucket = world_size > 1 and needs.state_per_param
-        self._param_waiter: ParamReadyWaiter | None = None
-        self._param_names: dict[int, str] = {}
-        self._grads_reduced = False
-        self._grads_at_step: tuple[list[int | None], list[bool]] | None = None
+        step_per_bucket = world_size > 1 and needs.state_per_param
+        self._pipeline = StepPipeline(self._shards, self._grad_sync, self._param_sync, step_per_bucket)
         self._consolidated: _Consolidated | None = None
         self._num_params_per_group = [len(g["params"]) for g in optimizer.param_groups]
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
@@ -335,13 +167,13 @@ class ShardingStage1(torch.optim.Optimizer):
         # either object drives the step, and keys added to either show up in both.
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
-        self._wrapped = optimizer
         self._layout_frozen = True
         self._broadcast_buffers = config.broadcast_buffers
         self._track_hooks()
         if model is not None:
             self._attach(model)  # its grads were checked to be dense above, before any collective
-        self._mark_wrapped(optimizer)
+        self._wrapped_guard = WrappedOptimizerGuard(self, optimizer)
+        self._hook_handles += self._wrapped_guard.wrapper_handles
 
     # -- training loop ---------------------------------------------------------------------
 
@@ -359,29 +191,26 @@ class ShardingStage1(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_params_in_buffers()
+        self._param_guard.take_back_replaced()
         self._check_param_groups_unchanged()
         found_inf, grad_scale = self._amp_scaling_arguments()
         self.sync_params()
         if found_inf is None:
-            self._launch_grad_sync()
+            self._grad_sync.start_grad_sync()
         else:
-            self._reduce_grads()  # the scaler reduced them already, to check the averaged grads
+            self._grad_sync.reduce_grads()  # the scaler reduced them already, to check the averaged grads
         if found_inf is not None and float(found_inf) > 0:
-            self._start_iteration()  # the scaler saw an inf on some rank: every rank skips
+            self._grad_sync.start_iteration()  # the scaler saw an inf on some rank: every rank skips
             return loss
         if grad_scale is not None:
             inverse = grad_scale.double().reciprocal().float()
-            torch._foreach_mul_(self._comm.local_grads(), inverse)
-        self._step_pipeline(kwargs)
-        if self._param_waiter is None or self._param_waiter.forward_compiled:
-            self._comm.finish_param_sync()
-        else:
-            self._param_waiter.gathers_started(self._comm.pending_param_buckets())
-        self._start_iteration()
-        self._grads_at_step = self._grads_snapshot()
+            torch._foreach_mul_(self._shards.comm.local_grads(), inverse)
+        self._pipeline.step(kwargs)
+        self._param_sync.hand_over()
+        self._grad_sync.start_iteration()
+        self._grad_sync.record_step()
         # A scheduler built on the wrapped optimizer checks that its step ran before its own.
-        self._wrapped._opt_called = True
+        self._wrapped_guard.optimizer._opt_called = True
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -392,17 +221,8 @@ class ShardingStage1(torch.optim.Optimizer):
         having no grad, exactly as after torch's ``zero_grad()``: a param that no backward
         reaches before the next ``step()`` is not stepped.
         """
-        self._refuse_converted_before_zero_grad()
-        self._comm.finish_grad_sync()
-        if not set_to_none:
-            # torch's zero_grad(set_to_none=False) leaves a None grad None (a layer whose grads
-            # model.zero_grad() dropped): it stays without a grad, though its view is zeroed too.
-            self._grad_tracker.forget_none_grads()
-        self._buffers.zero_grad()
-        self._grads_at_step = None
-        if set_to_none:
-            self._grad_tracker.clear_received()
-        self._start_iteration()
+        self._param_guard.refuse_converted_before_zero_grad()
+        self._grad_sync.zero_grad(set_to_none)
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -433,9 +253,7 @@ class ShardingStage1(torch.optim.Optimizer):
                 "error_if_nonfinite=False to clip anyway (grads then become nan)"
             )
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in self._comm.local_grads():
-            grad.mul_(coefficient.to(grad.dtype))
-        self._grad_tracker.accept_grad_writes()
+        self._grad_sync.scale_grads(coefficient)
         return total
 
     @torch.no_grad()
@@ -455,21 +273,8 @@ class ShardingStage1(torch.optim.Optimizer):
             ValueError: ``norm_type`` is not positive.
         """
         norm_type = _check_norm_type("grad_norm", norm_type)
-        self._check_params_in_buffers()
-        self._reduce_grads()
-        grads = self._comm.local_grads()
-        if norm_type == math.inf:
-            local = torch.stack([g.abs().max().float() for g in grads]).max()
-            op = dist.ReduceOp.MAX
-        else:
-            local = torch.stack(
-                [torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads]
-            ).sum()
-            op = dist.ReduceOp.SUM
-        if self._comm.sharded:
-            # Replicas hold equal shards after the replicate all-reduce: each element counts once.
-            dist.all_reduce(local, op=op, group=self._comm.group)
-        return local if norm_type == math.inf else local ** (1.0 / norm_type)
+        self._param_guard.take_back_replaced()
+        return self._grad_sync.grad_norm(norm_type)
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
@@ -482,14 +287,10 @@ class ShardingStage1(torch.optim.Optimizer):
         (the local, unreduced grads) is not changed.
         """
         clip_value = float(clip_value)
-        self._check_params_in_buffers()
-        self._reduce_grads()
-        for grad in self._comm.local_grads():
-            grad.clamp_(-clip_value, clip_value)
-        self._grad_tracker.accept_grad_writes()
+        self._param_guard.take_back_replaced()
+        self._grad_sync.clamp_grads(clip_value)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate grads of the backward passes inside the block without communicating.
 
         As with DDP: run every micro-batch's backward but the last inside ``no_sync()``; the
@@ -497,15 +298,7 @@ class ShardingStage1(torch.optim.Optimizer):
         happens in ``step()`` anyway, so the block changes nothing there. Blocks nest: leaving
         an inner block restores the state of the outer one, as DDP's does.
         """
-        if not self.overlap:
-            yield
-            return
-        previous = self._grad_tracker.accumulate_only
-        self._grad_tracker.accumulate_only = True
-        try:
-            yield
-        finally:
-            self._grad_tracker.accumulate_only = previous
+        return self._grad_sync.no_sync()
 
     def sync_params(self) -> None:
         """Wait until every param holds its updated value (a no-op unless overlap with a model
@@ -518,10 +311,7 @@ class ShardingStage1(torch.optim.Optimizer):
             RuntimeError: a param was written (``param.copy_``...) while it was still being
                 all-gathered, see Note [Writes while params are gathered].
         """
-        if self._param_waiter is None:
-            self._comm.finish_param_sync()
-        else:
-            self._param_waiter.finish()
+        self._param_sync.finish_param_sync()
 
     def wait_for_params(self, stream: torch.Stream | None = None) -> None:
         """Make ``stream`` (default: the current stream) wait until every param holds its updated
@@ -540,19 +330,7 @@ class ShardingStage1(torch.optim.Optimizer):
             RuntimeError: a param was written while it was still being all-gathered, see
                 Note [Writes while params are gathered].
         """
-        device = self.plan.buckets[0].device
-        if stream is not None and not isinstance(stream, torch.Stream):
-            raise TypeError(
-                f"ShardingStage1.wait_for_params expects stream to be a torch.Stream or None but got "
-                f"{type(stream).__name__}; pass e.g. torch.cuda.current_stream()"
-            )
-        if stream is not None and stream.device != device:
-            raise ValueError(
-                f"ShardingStage1.wait_for_params expects a stream on the params' device {device} but "
-                f"got one on {stream.device}; pass a stream of {device} or stream=None"
-            )
-        with on_stream(None if self._comm.stream is None else stream):
-            self.sync_params()
+        self._param_sync.wait_for_params(stream)
 
     def attach(self, model: nn.Module) -> None:
         """Make ``model`` start equal on every rank and let its forward wait per module for its
@@ -574,24 +352,26 @@ class ShardingStage1(torch.optim.Optimizer):
                 it makes sparse grads for them (``nn.Embedding(sparse=True)``) or renormalizes
                 them in forward (``nn.Embedding(max_norm=...)``), or a model is already attached.
         """
-        if self._param_waiter is not None:
+        if self._param_sync.waiter is not None:
             raise ValueError("ShardingStage1.attach: a model is already attached to this optimizer")
-        check_trained_modules(model, self._buffers.params)
+        check_trained_modules(model, self._shards.buffers.params)
         self._attach(model)
 
     def _attach(self, model: nn.Module) -> None:
-        waiter = ParamReadyWaiter(model, self._buffers, self._comm.finish_param_sync)
+        buffers = self._shards.buffers
+        waiter = ParamReadyWaiter(model, buffers, self._shards.comm.finish_param_sync)
         names = {id(param): name for name, param in model.named_parameters()}
-        self._param_names = {
-            index: names[id(param)] for index, param in enumerate(self._buffers.params) if id(param) in names
+        self._param_guard.param_names = {
+            index: names[id(param)] for index, param in enumerate(buffers.params) if id(param) in names
         }
-        self._hook_handles.append(register_eager_pre_hook(model, self._check_before_forward))
-        self._broadcast_model_state(model)
+        self._hook_handles.append(register_eager_pre_hook(model, self._param_guard.check_before_forward))
+        broadcast_model_state(model, buffers, self.process_group, self.world_size)
         if self._broadcast_buffers and self.world_size > 1 and next(model.buffers(), None) is not None:
-            self._buffer_broadcaster = BufferBroadcaster(model, self.process_group, self._first_rank())
+            source = first_rank(self.process_group)
+            self._buffer_broadcaster = BufferBroadcaster(model, self.process_group, source)
             self._hook_handles += self._buffer_broadcaster.handles
         if self.overlap:
-            self._param_waiter = waiter
+            self._param_sync.waiter = waiter
             self._hook_handles += waiter.handles
         else:
             waiter.remove_hooks()
@@ -609,11 +389,7 @@ class ShardingStage1(torch.optim.Optimizer):
         """
         self._closed = True
         self._release()
-        remove_handles(self._refusals)
-        original = self._wrapped_optimizer()
-        if original is not None:
-            original._sharded_opt_wrapper = None
-            original.__dict__.pop("add_param_group", None)
+        self._wrapped_guard.release()
 
     def __enter__(self) -> ShardingStage1:
         return self
@@ -630,12 +406,7 @@ class ShardingStage1(torch.optim.Optimizer):
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state tensors held by this rank."""
-        return sum(
-            value.numel() * value.element_size()
-            for state in self._inner.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor) and value.dim() > 0
-        )
+        return self._shards.optimizer_state_bytes()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for training, by kind.
@@ -646,22 +417,11 @@ class ShardingStage1(torch.optim.Optimizer):
         ``reduce_dtype`` for the reduce-scatter: at most two buffers of the largest such bucket,
         allocated at the first reduction, see Note [Bounded staging] in ``bucket_comm``).
         """
-
-        def nbytes(tensors) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors)
-
-        return {
-            "params": nbytes(self._buffers.param_buffers),
-            "grads": nbytes(g for g in self._buffers.grad_buffers if g is not None),
-            "reduced_grads": nbytes(self._comm.reduced_grad_tensors()),
-            "master": nbytes(s.master for s in self._comm.live_shards() if s.master is not None),
-            "optimizer_state": self.optimizer_state_bytes(),
-            "staging": self._comm.staging_bytes(),
-        }
+        return self._shards.memory_bytes()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_layout_frozen", False):
-            raise RuntimeError(f"ShardingStage1 lays params out once, when it is built; {_ADD_GROUPS_FIRST}")
+            raise RuntimeError(f"ShardingStage1 lays params out once, when it is built; {ADD_GROUPS_FIRST}")
         super().add_param_group(param_group)
 
     def state_dict(self, *, to_rank: int | None = None) -> dict[str, Any] | None:  # type: ignore[override]
@@ -703,7 +463,7 @@ class ShardingStage1(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         if consolidated is None:
-            state = state_dict_conversion.gather_state_dict(self, to_rank)
+            state = state_dict_conversion.gather_state_dict(self._shards, to_rank)
         else:
             state = self._consolidated_state_dict(consolidated)
         if state is not None:
@@ -735,7 +495,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._check_all_ranks_enter(
             "consolidate_state_dict", f"Call opt.consolidate_state_dict(to={to}) on every rank"
         )
-        gathered = state_dict_conversion.gather_state_dict(self, to)
+        gathered = state_dict_conversion.gather_state_dict(self._shards, to)
         self._consolidated = _Consolidated(to, None if gathered is None else gathered["state"])
 
     def _consolidated_state_dict(self, consolidated: _Consolidated) -> dict[str, Any]:
@@ -767,60 +527,23 @@ class ShardingStage1(torch.optim.Optimizer):
         state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = _replaced_by(pre_hook(self, state_dict), state_dict)
-        state_dict_conversion.load_state_dict(self, state_dict)
+        state_dict_conversion.load_state_dict(self._shards, state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
     # -- internals -------------------------------------------------------------------------
-
-    def _broadcast_from_first_rank(self) -> None:
-        if self.world_size == 1:
-            return
-        for buffer in self._buffers.param_buffers:
-            dist.broadcast(buffer, src=self._first_rank(), group=self.process_group)
-
-    def _first_rank(self) -> int:
-        return dist.get_global_rank(self.process_group, 0)
-
-    def _broadcast_model_state(self, model: nn.Module) -> None:
-        """Broadcast what the flat buffers did not cover: frozen params, params the optimizer
-        does not hold, and buffers."""
-        if self.world_size == 1:
-            return
-        laid_out = {id(self._buffers.params[index]) for index in self._buffers.laid_out_indices}
-        tensors = [p for p in model.parameters() if id(p) not in laid_out] + list(model.buffers())
-        if tensors:
-            collectives.broadcast_coalesced(tensors, self.process_group, self._first_rank())
 
     def _track_hooks(self) -> None:
         """Arrange for every hook to be removed by ``close()`` or when this wrapper is
         collected, see Note [Hook lifetimes and copies]."""
         self._closed = False
         self._hook_handles: list[RemovableHandle] = []
-        self._wrapped_optimizer: weakref.ref[torch.optim.Optimizer] = lambda: None
         # The tracker's list, not a copy: it grows when params are unfrozen later.
         self._release = weakref.finalize(
-            self, _release_hooks, self._comm, self._hook_handles, self._grad_tracker.handles
+            self, _release_hooks, self._shards.comm, self._hook_handles, self._grad_sync.tracker.handles
         )
         # At interpreter exit the process group may be gone; there is nothing to wait for then.
         self._release.atexit = False
-
-    def _mark_wrapped(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer`` refuse to be wrapped again while this wrapper lives, and to step,
-        save or load its state until ``close()`` (stepping it is a mistake even after the
-        wrapper was dropped: ranks would diverge; its own state is empty, so a checkpoint of it
-        would silently hold no moments, and state loaded into it would never be used)."""
-        optimizer._sharded_opt_wrapper = weakref.ref(self)
-        self._refusals = [
-            optimizer.register_step_pre_hook(_refuse_wrapped_step),
-            optimizer.register_state_dict_pre_hook(_refuse_wrapped_state_dict),
-            optimizer.register_load_state_dict_pre_hook(_refuse_wrapped_load_state_dict),
-        ]
-        # Note [Step hooks]: first in the wrapper's lists, before any hook a user adds to it.
-        self._hook_handles.append(self.register_step_pre_hook(_run_wrapped_pre_hooks))
-        self._hook_handles.append(self.register_step_post_hook(_run_wrapped_post_hooks))
-        optimizer.add_param_group = functools.partial(_refuse_wrapped_add_param_group, type(optimizer))
-        self._wrapped_optimizer = weakref.ref(optimizer)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -828,102 +551,6 @@ class ShardingStage1(torch.optim.Optimizer):
                 "ShardingStage1.step: this optimizer was closed (close() or the end of its `with` "
                 "block) and its hooks are gone; build a new ShardingStage1 to keep training"
             )
-
-    def _check_params_in_buffers(self) -> None:
-        """Take back params whose ``.data`` was replaced, or raise where that cannot be right;
-        see Note [Params replaced after wrapping]."""
-        moved = self._buffers.detached_params()
-        if not moved:
-            return
-        self._refuse_unadoptable(moved)
-        self.sync_params()  # an all-gather still running must not land over the adopted values
-        for index in moved:
-            self._buffers.adopt_param(index)
-
-    def _check_before_forward(self, module: nn.Module, args: tuple) -> None:
-        """Forward pre-hook of the attached model, for forwards with grad enabled (forwards
-        without grad, ``generate()`` and evaluation, work as in torch).
-
-        A ``DistributedDataParallel`` added around the model after wrapping (as Hugging Face
-        Trainer, Accelerate and Lightning do) is refused at its first forward, see Note [Grads
-        written at the end of backward] in ``grad_hooks``. A param that ``param.data = t`` gave
-        another shape (``model.resize_token_embeddings(n)`` after wrapping) is refused instead of
-        by torch's shape error when the next backward adds its grad to the old-shape grad view,
-        see Note [Params replaced after wrapping]."""
-        if not torch.is_grad_enabled():
-            return
-        if nn.parallel.DistributedDataParallel._active_ddp_module is not None:
-            self._refuse_data_parallel(nn.parallel.DistributedDataParallel._active_ddp_module)
-        with torch._C.DisableTorchFunction():  # plain pointer reads, never the read guard's waits
-            if not self._buffers.any_param_detached():
-                return
-            moved = [index for index in self._buffers.detached_params() if self._buffers.owns(index)]
-        self._refuse_reshaped(moved)
-
-    def _refuse_data_parallel(self, wrapper: nn.Module) -> None:
-        ours = {id(param) for param in self._buffers.params}
-        if any(id(param) in ours for param in wrapper.parameters()):
-            raise RuntimeError(
-                "ShardingStage1: the model runs inside a DistributedDataParallel wrapper added "
-                "after the optimizer was wrapped (the accelerator of Hugging Face Trainer, Accelerate "
-                "and Lightning adds one: use the adapters of sharded_opt.integrations). It would "
-                f"average the grads a second time. {DROP_DDP}"
-            )
-
-    def _refuse_converted_before_zero_grad(self) -> None:
-        """``zero_grad()`` points every grad at its buffer view again; a param that
-        ``model.half()`` or ``model.to(...)`` moved out of the buffers (or gave a new shape) is
-        refused with the fix, instead of torch's "assign a gradient with dtype 'float' to a
-        tensor with grad_dtype 'Half'"; see Note [Params replaced after wrapping]."""
-        with torch._C.DisableTorchFunction():  # plain pointer reads, never the read guard's waits
-            if not self._buffers.any_param_detached():
-                return
-            moved = [index for index in self._buffers.detached_params() if self._buffers.owns(index)]
-        self._refuse_converted(moved)
-        self._refuse_reshaped(moved)
-
-    def _refuse_unadoptable(self, moved: list[int]) -> None:
-        self._refuse_converted(moved)
-        self._refuse_reshaped(moved)
-        params = self._buffers.params
-        flat = {buffer.untyped_storage().data_ptr() for buffer in self._buffers.param_buffers}
-        aliased = [index for index in sorted(moved) if params[index].untyped_storage().data_ptr() in flat]
-        if aliased:
-            raise RuntimeError(
-                f"ShardingStage1: params {aliased[:8]} (optimizer order) were pointed at another "
-                "param's memory (`param.data = other.data`); the wrapper keeps every param in a slot "
-                "of its own, so the two would no longer be tied. Tie params before building the "
-                "optimizer (`module.weight = other.weight`) and wrap it then"
-            )
-
-    def _refuse_converted(self, moved: list[int]) -> None:
-        converted = [(index, self._buffers.conversion_of(index)) for index in sorted(moved)]
-        converted = [(index, change) for index, change in converted if change is not None]
-        if converted:
-            index, change = converted[0]
-            raise RuntimeError(
-                f"ShardingStage1: param {self._describe_param(index)} {change} ({len(converted)} "
-                "param(s) converted, e.g. by model.half() or model.to(...) after wrapping), so it "
-                "no longer lives in the flat buffers and updates would be lost. Cast or move the "
-                "model before building the optimizer and wrapping it"
-            )
-
-    def _refuse_reshaped(self, moved: list[int]) -> None:
-        params, views = self._buffers.params, self._buffers.param_views
-        reshaped = [index for index in sorted(moved) if params[index].shape != views[index].shape]
-        if reshaped:
-            index = reshaped[0]
-            raise RuntimeError(
-                f"ShardingStage1: `param.data = ...` gave param {self._describe_param(index)} the shape "
-                f"{tuple(params[index].shape)} but it was laid out as {tuple(views[index].shape)} (Hugging "
-                "Face's model.resize_token_embeddings(n) does this); the optimizer's state and the flat "
-                "buffers cannot change shape. Resize the model before building the optimizer and "
-                "wrapping it, or build a new optimizer and ShardingStage1 after resizing (close() this one)"
-            )
-
-    def _describe_param(self, index: int) -> str:
-        name = self._param_names.get(index)
-        return f"{index} (optimizer order{'' if name is None else f', {name!r}'})"
 
     def _amp_scaling_arguments(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``found_inf`` and ``grad_scale`` set by a ``GradScaler`` driving this step, see Note
@@ -954,285 +581,6 @@ class ShardingStage1(torch.optim.Optimizer):
             f"ShardingStage1.{method}", fix, self.process_group, self.collective_entry_timeout_s
         )
 
-    def _check_backward_finished(self) -> None:
-        if self._grad_tracker.backward_unfinished:
-            raise RuntimeError(
-                "ShardingStage1.step: the last backward raised before it finished, so its grads are "
-                "partial (some buckets were already being reduced). Call opt.zero_grad() to discard "
-                "them, then run the iteration again"
-            )
-
-    def _start_iteration(self) -> None:
-        self._grads_reduced = False
-        self._grad_tracker.reset()
-        self._presence.discard()  # flags shared but not used when the step was skipped
-
-    def _materialize(self, bucket_index: int) -> None:
-        shard = self._comm.materialize(bucket_index)
-        if shard is not None:
-            add_shard(self._inner, shard)
-
-    def _check_grads_not_written(self) -> None:
-        """See Note [Grads written after backward] in ``grad_hooks``."""
-        written = self._grad_tracker.grads_written_since_backward()
-        if written:
-            raise RuntimeError(
-                f"ShardingStage1: grads of buckets {written[:8]} were modified in place after backward "
-                "(torch.nn.utils.clip_grad_norm_, clip_grad_value_, GradScaler.unscale_, p.grad.mul_(), "
-                "...). param.grad holds this rank's local, unreduced grad (in overlap mode it is being "
-                "reduced while you write it), so the edit would be lost or differ per rank. Clip with "
-                "opt.clip_grad_norm_(max_norm) or opt.clip_grad_value_(clip_value), scale losses with "
-                "sharded_opt.ShardedGradScaler, "
-                "and scale the loss instead of the grads. Call opt.zero_grad() to discard these grads. "
-                f"A DistributedDataParallel around the model writes grads this way too: {DROP_DDP}"
-            )
-
-    def _launch_grad_sync(self) -> None:
-        """Check the grads and issue every bucket's reduction not issued yet (in overlap mode
-        backward issued most of them), each after its bucket's presence flags."""
-        self._check_grads_not_written()
-        if self._grads_reduced:
-            return
-        if self._grads_unchanged_since_step():
-            # Note [A step without backward]: step again with the grads the last step used.
-            self._start_unlaunched_presence()
-            self._zero_absent_grads()
-            self._grads_reduced = True
-            return
-        self._grads_at_step = None
-        self._check_backward_finished()
-        if self.overlap:
-            if self._grad_tracker.accumulate_only:
-                raise RuntimeError(
-                    "ShardingStage1: step() (or a grad reduction) inside `with opt.no_sync():`; the "
-                    "grads of the block are never averaged over the ranks. Leave the block for the "
-                    "last micro-batch's backward, then call step()"
-                )
-            self._grad_tracker.flush()
-        else:
-            self._grad_tracker.adopt_all()
-            for bucket in self.plan.buckets:
-                if self._grad_tracker.takes_part(bucket.index):
-                    self._start_bucket_sync(bucket.index)
-            self._start_unlaunched_presence()
-        self._start_frozen_grad_sync()
-        self._check_grads_not_dropped()
-
-    def _grads_snapshot(self) -> tuple[list[int | None], list[bool]]:
-        """What tells whether grads changed since: the grad buffers' versions and which params'
-        grads are their buffer views; see Note [A step without backward]."""
-        return self._grad_versions(), self._grads_are_views()
-
-    def _grad_versions(self) -> list[int | None]:
-        return [None if buffer is None else buffer._version for buffer in self._buffers.grad_buffers]
-
-    def _grads_are_views(self) -> list[bool]:
-        views = self._buffers.grad_views
-        return [param.grad is views[index] for index, param in enumerate(self._buffers.params)]
-
-    def _grads_unchanged_since_step(self) -> bool:
-        if self._grads_at_step is None:
-            return False
-        versions, are_views = self._grads_at_step
-        return versions == self._grad_versions() and are_views == self._grads_are_views()
-
-    def _reduce_grads(self) -> None:
-        """Reduce every bucket's grads now (clipping and the scaler need all of them)."""
-        self._launch_grad_sync()
-        if not self._grads_reduced:
-            self._comm.finish_grad_sync()
-            self._zero_absent_grads()
-            self._grads_reduced = True
-            self._grad_tracker.accept_grad_writes()
-
-    @torch.no_grad()
-    def _zero_absent_grads(self) -> None:
-        """Zero the reduced grads of params that got no grad on any rank this iteration.
-
-        ``step()`` leaves such params out, but clipping and the scaler read every reduced grad:
-        torch's ``clip_grad_norm_`` and ``GradScaler`` skip a param whose ``.grad`` is None,
-        whereas here its elements may still hold an earlier iteration's grads (a bucket frozen
-        since takes no part in the reduction and keeps its last result; a param frozen after
-        ``model.zero_grad()`` set its grad to None keeps its last grad in the grad buffer). They
-        would count in the norm, or a past overflow would make the scaler skip every step."""
-        for shard in self._comm.live_shards():
-            present = self._presence.params_with_grads(shard.bucket.index)
-            for grad, owner in zip(shard.inner_grads, shard.inner_owners, strict=True):
-                if owner not in present:
-                    grad.zero_()
-
-    def _check_grads_not_dropped(self) -> None:
-        """In overlap mode which params have grads is shared when their bucket is launched, and
-        the bucket's grads are read then: grads set to None after that (``model.zero_grad()``
-        between backward and ``step()``) would be stepped anyway, and grads replaced after that
-        (``p.grad = p.grad.clamp(...)``) would be silently ignored, so both are refused."""
-        if not self.overlap:
-            return
-        views = self._buffers.grad_views
-        dropped, replaced = [], []
-        for index, param in enumerate(self._buffers.params):
-            grad = param.grad
-            if self._local_presence[index] and grad is not views[index]:
-                (dropped if grad is None else replaced).append(index)
-        if dropped:
-            raise RuntimeError(
-                f"ShardingStage1(overlap=True): grads of params {dropped[:8]} (optimizer order) were set "
-                "to None after backward, when they were already being reduced. Zero grads before "
-                "backward (opt.zero_grad() or model.zero_grad()), not between backward and step(); to "
-                "leave params out of one step (DINO's cancel_gradients_last_layer), freeze them before "
-                "the forward with requires_grad_(False) and unfreeze them after step(), or use "
-                "overlap=False, where a grad set to None after backward means no grad as in torch"
-            )
-        if replaced:
-            raise RuntimeError(
-                f"ShardingStage1(overlap=True): grads of params {replaced[:8]} (optimizer order) were "
-                "replaced (`param.grad = g`) after backward, when the grads backward produced were "
-                "already being reduced, so the new ones would be ignored. To clip, call "
-                "opt.clip_grad_norm_(max_norm) or opt.clip_grad_value_(clip_value) instead; grads "
-                "computed without a backward (assigned after opt.zero_grad()) are taken as they are; "
-                "with overlap=False an assigned grad is averaged over the ranks like any other. A "
-                "DistributedDataParallel(gradient_as_bucket_view=True) around the model replaces "
-                f"grads this way: {DROP_DDP}"
-            )
-
-    def _restart_grad_sync(self) -> None:
-        """Wait for this iteration's reductions and forget them (a second backward before
-        ``step()``, see Note [A second backward] in ``grad_hooks``)."""
-        if self._grads_reduced:
-            raise RuntimeError(
-                "ShardingStage1(overlap=True): a backward ran after opt.clip_grad_norm_ (or "
-                "clip_grad_value_, ShardedGradScaler.unscale_) and before step(); the grads would be "
-                "reduced again without the clipping. Clip (or unscale) after the last backward, right "
-                "before step()"
-            )
-        self._comm.finish_grad_sync()
-        self._presence.discard()
-        self._grads_reduced = False
-
-    def _start_bucket_sync(self, bucket_index: int) -> None:
-        """Share the bucket's presence flags (where they go per bucket), then issue its grad
-        reduction; see Note [Presence per bucket] in ``grad_presence``."""
-        if self._presence.per_bucket:
-            self._share_presence([bucket_index])
-        self._comm.start_grad_sync(bucket_index)
-
-    def _start_frozen_grad_sync(self) -> None:
-        """Reduce the buckets whose params are all frozen now where some rank still holds a grad
-        in them, after every other bucket; decided from the presence flags every rank agreed on,
-        see Note [Frozen after backward] in ``grad_hooks``."""
-        for bucket_index in self._grad_tracker.frozen_buckets():
-            if any(self._presence.agreed(bucket_index)):
-                self._grad_tracker.settle_frozen(bucket_index)
-                self._comm.start_grad_sync(bucket_index)
-
-    def _start_unlaunched_presence(self) -> None:
-        """Share the presence flags not shared yet: of the buckets that took no part in this
-        reduction, or of every bucket where they are not shared per bucket."""
-        unshared = self._presence.unshared()
-        if unshared:
-            self._share_presence(unshared)
-
-    def _share_presence(self, bucket_indices: list[int]) -> None:
-        received = self._grad_tracker.received
-        params = self._buffers.params
-        local = self._local_presence
-        flags = []
-        for bucket_index in bucket_indices:
-            for slot in self.plan.buckets[bucket_index].slots:
-                index = slot.param_index
-                local[index] = received[index] and params[index].grad is not None
-                flags.append(local[index])
-        self._presence.start(bucket_indices, flags)
-
-    @functools.cached_property
-    def _flag_device(self) -> torch.device:
-        """CPU when the group runs CPU tensors on gloo (no device sync to read the flags), else
-        the params' device."""
-        if collectives.backend_for_device(self.process_group, "cpu") == "gloo":
-            return torch.device("cpu")
-        return self.plan.buckets[0].device
-
-    def _step_pipeline(self, kwargs: dict[str, Any]) -> None:
-        """Step every bucket's shard and start the all-gathers of those that changed; see Note
-        [Step pipeline]."""
-        self._sync_hyperparameters()
-        order = [shard.bucket.index for shard in self._comm.live_shards()]  # the landing order
-        if not self._step_per_bucket:
-            self._finish_grads(order)
-            stepped = self._step_buckets(order, kwargs)
-        else:
-            stepped = []
-            for bucket_index in order:
-                self._finish_grads([bucket_index])
-                stepped += self._step_buckets([bucket_index], kwargs)
-        self._comm.start_param_sync(b for b in self._gather_order if b in stepped)
-        self._mark_params_updated(stepped)
-
-    def _mark_params_updated(self, bucket_indices: list[int]) -> None:
-        """Bump the version counter of every param the step changed, as torch's in-place
-        optimizer update does: a graph built before ``step()`` that saved a param for its
-        backward (``loss1.backward(retain_graph=True); opt.step(); loss2.backward()``) then
-        raises torch's "modified by an inplace operation" error instead of silently
-        differentiating through the new weights. The update itself went through the flat
-        buffers, whose views count versions apart from the params (Note [Writes while params
-        are gathered] in ``param_hooks``), so the params' own counters need the bump; it comes
-        before ``gathers_started`` records them."""
-        params = self._buffers.params
-        updated = [
-            params[index]
-            for bucket_index in bucket_indices
-            for index in self._presence.params_with_grads(bucket_index)
-        ]
-        if updated:
-            torch.autograd.graph.increment_version(updated)
-
-    def _finish_grads(self, bucket_indices: list[int]) -> None:
-        if self._grads_reduced:
-            return  # clip_grad_norm_ or the scaler finished (and maybe clipped) them already
-        self._comm.finish_grad_sync(bucket_indices)
-
-    def _step_buckets(self, bucket_indices: list[int], kwargs: dict[str, Any]) -> list[int]:
-        """One inner step over the pieces of ``bucket_indices`` whose params got a grad on some
-        rank; returns the buckets it changed. Pieces of other params (and other buckets) are
-        left out of the step, so, as in torch, they and their state stay untouched."""
-        groups: list[list[torch.Tensor]] = [[] for _ in self._inner.param_groups]
-        stepped = []
-        for bucket_index in bucket_indices:
-            shard = self._comm.shards[bucket_index]
-            present = self._presence.agreed(bucket_index)
-            if shard is None or not any(present):
-                continue
-            stepped.append(bucket_index)
-            shard.refresh_master()
-            group = groups[shard.bucket.group_index]
-            if all(present):
-                group += shard.inner_params
-            else:
-                owners = self._presence.params_with_grads(bucket_index)
-                pieces = zip(shard.inner_params, shard.inner_owners, strict=True)
-                group += [piece for piece, owner in pieces if owner in owners]
-        if any(groups) or not self._step_per_bucket:
-            self._inner_step(groups, kwargs)
-        return stepped
-
-    def _inner_step(self, params_per_group: list[list[torch.Tensor]], kwargs: dict[str, Any]) -> None:
-        """The wrapped class's ``step`` over ``params_per_group`` only, the groups' full lists
-        restored afterwards."""
-        inner_groups = self._inner.param_groups
-        full = [group["params"] for group in inner_groups]
-        try:
-            for group, params in zip(inner_groups, params_per_group, strict=True):
-                group["params"] = params
-            step_without_hooks(self._inner, kwargs)
-            copy_group_updates(self._inner.param_groups, self.param_groups)
-        finally:
-            for group, params in zip(inner_groups, full, strict=True):
-                group["params"] = params
-
-    def _sync_hyperparameters(self) -> None:
-        for outer, inner in zip(self.param_groups, self._inner.param_groups, strict=True):
-            inner.update(hyperparameters(outer))
-
     def __reduce_ex__(self, protocol: int) -> Any:
         """Refuse pickling and ``copy.deepcopy``: a copy would share or lose the process group,
         the flat buffers the params view and the hooks, and fail later at ``step()``."""
@@ -1252,44 +600,11 @@ class _Consolidated:
     state: dict[int, dict[str, Any]] | None
 
 
-def _resolve_config(strategy: Strategy | None, overlap: bool | None):
-    if strategy is None:
-        strategy = Strategy()
-    elif not isinstance(strategy, Strategy):
-        raise TypeError(
-            f"ShardingStage1 expects strategy to be a sharded_opt.Strategy but got {type(strategy).__name__}"
-        )
-    if overlap is not None and not isinstance(overlap, bool):
-        raise TypeError(f"ShardingStage1 expects overlap to be a bool or None but got {overlap!r}")
-    config = dataclasses.replace(strategy.sharding)
-    if overlap is not None:
-        config.enable_overlap = overlap
-    if not config.enable and config.degree is not None:
-        raise ValueError(
-            f"ShardingStage1 got Strategy().sharding.degree={config.degree} with enable=False: without "
-            "sharding every rank holds all state and there are no shard groups to size. Set "
-            "enable=True for hybrid sharding, or degree=None for plain data parallel"
-        )
-    return config
-
-
 def _check_norm_type(api: str, norm_type: float) -> float:
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"ShardingStage1.{api} expects norm_type > 0 (or inf) but got {norm_type}")
     return norm_type
-
-
-def _check_not_stepped(optimizer: torch.optim.Optimizer) -> None:
-    # An empty entry is what reading ``optimizer.state[p]`` leaves (schedule-free's train()).
-    stepped = [state for state in optimizer.state.values() if state and float(state.get("step", 1)) > 0]
-    if stepped:
-        raise ValueError(
-            f"ShardingStage1 expects an optimizer that has not stepped yet but it holds state for "
-            f"{len(stepped)} params, which would be lost; wrap the optimizer before training. To "
-            "resume from a checkpoint, load its optimizer state into the wrapper instead: "
-            "opt = ShardingStage1(optimizer, ...); opt.load_state_dict(checkpoint_state) (on every rank)"
-        )
 
 
 def _replaced_by(hook_result: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -1303,82 +618,3 @@ def _release_hooks(comm: BucketCommunicator, *handle_lists: list[RemovableHandle
     comm.finish_param_sync()
     for handles in handle_lists:
         remove_handles(handles)
-
-
-def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    raise RuntimeError(
-        f"this {type(optimizer).__name__} is wrapped by ShardingStage1; call the wrapper's step()"
-    )
-
-
-def _user_hooks(hooks: dict[int, Callable[..., Any]]) -> list[Callable[..., Any]]:
-    return [hook for hook in hooks.values() if hook is not _refuse_wrapped_step]
-
-
-def _run_wrapped_pre_hooks(wrapper: ShardingStage1, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """The wrapped optimizer's step pre-hooks, see Note [Step hooks]."""
-    original = wrapper._wrapped
-    hooks = _user_hooks(original._optimizer_step_pre_hooks)
-    if not hooks or _scaler_skips_wrapped_step(wrapper):
-        return None
-    original_args = (original, *args[1:])
-    for hook in hooks:
-        result = hook(original, original_args, kwargs)
-        if result is None:
-            continue
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise RuntimeError(
-                f"the step pre-hook {hook} of the wrapped {type(original).__name__} must return None "
-                f"or a tuple (new_args, new_kwargs) but returned {result!r}"
-            )
-        original_args, kwargs = result
-    return (wrapper, *original_args[1:]), kwargs
-
-
-def _run_wrapped_post_hooks(wrapper: ShardingStage1, args: tuple, kwargs: dict) -> None:
-    """The wrapped optimizer's step post-hooks, see Note [Step hooks]."""
-    original = wrapper._wrapped
-    if _scaler_skips_wrapped_step(wrapper):
-        return
-    for hook in _user_hooks(original._optimizer_step_post_hooks):
-        hook(original, (original, *args[1:]), kwargs)
-
-
-def _scaler_skips_wrapped_step(wrapper: ShardingStage1) -> bool:
-    """Whether plain torch would not call the wrapped optimizer's ``step`` at all: a
-    ``ShardedGradScaler`` found an inf (the agreed flag it set on the wrapper, as ``GradScaler``
-    does) and the wrapped class does not take ``found_inf`` itself, so ``GradScaler.step`` would
-    skip it, hooks included. See Note [Step hooks]."""
-    found_inf = getattr(wrapper, "found_inf", None)
-    if found_inf is None or not getattr(wrapper, "_scaled_by_sharded_scaler", False):
-        return False
-    return not getattr(wrapper._wrapped, "_step_supports_amp_scaling", False) and float(found_inf) > 0
-
-
-def _refuse_wrapped_state_dict(optimizer: torch.optim.Optimizer) -> None:
-    raise RuntimeError(
-        f"this {type(optimizer).__name__} is wrapped by ShardingStage1 and holds none of the "
-        "optimizer state (it lives in the wrapper's shards); call the wrapper's state_dict() on "
-        "every rank (state_dict(to_rank=0) to keep it on rank 0 only)"
-    )
-
-
-def _refuse_wrapped_load_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-    raise RuntimeError(
-        f"this {type(optimizer).__name__} is wrapped by ShardingStage1, which would never use state "
-        "loaded into it; call the wrapper's load_state_dict(state_dict) on every rank"
-    )
-
-
-_ADD_GROUPS_FIRST = (
-    "add every param group to the torch optimizer first, then wrap it. For gradual unfreezing, "
-    "give the frozen params their group (and lr) before wrapping and unfreeze them later with "
-    "requires_grad_(True): frozen params cost no grad memory and no communication until then"
-)
-
-
-def _refuse_wrapped_add_param_group(optimizer_class: type, param_group: dict[str, Any]) -> None:
-    raise RuntimeError(
-        f"this {optimizer_class.__name__} is wrapped by ShardingStage1, which laid its params out "
-        f"when it was built; {_ADD_GROUPS_FIRST}"
-    )

@@ -20,7 +20,7 @@ Note [Element-wise and scalar state]
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,17 +37,15 @@ from sharded_opt.inner_optimizer import (
     load_param_states,
     param_states,
 )
-
-if TYPE_CHECKING:
-    from sharded_opt.optimizer import ShardingStage1
+from sharded_opt.optimizer_shards import OptimizerShards
 
 
-def local_pieces(optimizer: ShardingStage1) -> dict[int, ShardPiece]:
+def local_pieces(shards: OptimizerShards) -> dict[int, ShardPiece]:
     """For each laid-out param, the piece of it in this rank's local tensor (if any)."""
     pieces: dict[int, ShardPiece] = {}
-    for bucket in optimizer.plan.buckets:
-        if optimizer._comm.sharded:
-            pieces.update((piece.param_index, piece) for piece in bucket.shard_pieces(optimizer._comm.rank))
+    for bucket in shards.plan.buckets:
+        if shards.comm.sharded:
+            pieces.update((piece.param_index, piece) for piece in bucket.shard_pieces(shards.comm.rank))
         else:
             pieces.update(
                 (slot.param_index, ShardPiece(slot.param_index, 0, slot.offset, slot.numel))
@@ -56,107 +54,105 @@ def local_pieces(optimizer: ShardingStage1) -> dict[int, ShardPiece]:
     return pieces
 
 
-def describe_param_states(
-    optimizer: ShardingStage1, local: dict[int, ParamState]
-) -> dict[int, dict[str, Any]]:
+def describe_param_states(shards: OptimizerShards, local: dict[int, ParamState]) -> dict[int, dict[str, Any]]:
     """Per param with state (every rank gets all of them; collective when sharded): per key,
     ``("elementwise", dtype)`` or ``("scalar", value)``, from this rank's ``local`` states (as
     :func:`param_states` returns them). See Note [Element-wise and scalar state]."""
-    pieces = local_pieces(optimizer)
+    pieces = local_pieces(shards)
     own: dict[int, dict[str, Any]] = {}
     for index, state in local.items():
         if pieces[index].param_start != 0:
             continue
-        first_inner = _first_inner_param(optimizer, index)
-        first_state = optimizer._inner.state[first_inner]
+        first_inner = _first_inner_param(shards, index)
+        first_state = shards.inner.state[first_inner]
         own[index] = {
             key: ("elementwise", value.dtype)
             if is_elementwise(first_state[key], first_inner)
             else ("scalar", value)
             for key, value in state.items()
         }
-    if not optimizer._comm.sharded:
+    if not shards.comm.sharded:
         return dict(sorted(own.items()))  # param order, as torch's state_dict lists them
-    everyone: list[Any] = [None] * optimizer.world_size
-    dist.all_gather_object(everyone, own, group=optimizer.process_group)
+    everyone: list[Any] = [None] * shards.world_size
+    dist.all_gather_object(everyone, own, group=shards.process_group)
     merged: dict[int, dict[str, Any]] = {}
     for descriptions in everyone:
         merged.update(descriptions)
     return dict(sorted(merged.items()))
 
 
-def _first_inner_param(optimizer: ShardingStage1, index: int) -> Tensor:
-    shard = optimizer._comm.shards[optimizer.plan.slot(index).bucket_index]
+def _first_inner_param(shards: OptimizerShards, index: int) -> Tensor:
+    shard = shards.comm.shards[shards.plan.slot(index).bucket_index]
     return shard.inner_params[shard.inner_owners.index(index)]
 
 
-def gather_state_dict(optimizer: ShardingStage1, to_rank: int | None) -> dict[str, Any] | None:
+def gather_state_dict(shards: OptimizerShards, to_rank: int | None) -> dict[str, Any] | None:
     """The standard state dict (collective). See Note [Element-wise and scalar state].
 
     With ``to_rank``, full tensors are reduced to that rank only and the others return None.
     At most one param's full state tensor exists at a time beyond the local shards.
     """
-    local = param_states(optimizer._inner, optimizer._comm.live_shards())
-    descriptions = describe_param_states(optimizer, local)
-    pieces = local_pieces(optimizer)
-    params = optimizer._buffers.params
+    local = param_states(shards.inner, shards.comm.live_shards())
+    descriptions = describe_param_states(shards, local)
+    pieces = local_pieces(shards)
+    params = shards.buffers.params
     state: dict[int, dict[str, Any]] = {}
     for index, description in descriptions.items():
-        slot = optimizer.plan.slot(index)
+        slot = shards.plan.slot(index)
         entry: dict[str, Any] = {}
         for key, (kind, value) in description.items():
             if kind == "scalar":
                 entry[key] = value.clone() if isinstance(value, Tensor) else value
                 continue
             full = torch.zeros(params[index].numel(), dtype=value, device=params[index].device)
-            if index in local and _contributes(optimizer):
+            if index in local and _contributes(shards):
                 piece = pieces[index]
                 full[piece.param_start : piece.param_start + piece.numel] = local[index][key]
-            if optimizer._comm.sharded:
-                _sum_over_group(full, optimizer, to_rank)
+            if shards.comm.sharded:
+                _sum_over_group(full, shards, to_rank)
             entry[key] = view_slot(full, slot)
         state[index] = entry
-    if to_rank is not None and optimizer.rank != to_rank:
+    if to_rank is not None and shards.rank != to_rank:
         return None
-    return {"state": state, "param_groups": indexed_groups(optimizer.param_groups)}
+    return {"state": state, "param_groups": indexed_groups(shards.param_groups)}
 
 
-def _contributes(optimizer: ShardingStage1) -> bool:
+def _contributes(shards: OptimizerShards) -> bool:
     """Whether this rank's pieces go into the sum: with hybrid sharding every replica holds the
     same pieces, so only the first replica's count (see Note [Hybrid sharding])."""
-    return not optimizer._comm.sharded or optimizer.shard_groups.replica_rank == 0
+    return not shards.comm.sharded or shards.groups.replica_rank == 0
 
 
-def _sum_over_group(tensor: Tensor, optimizer: ShardingStage1, to_rank: int | None) -> None:
+def _sum_over_group(tensor: Tensor, shards: OptimizerShards, to_rank: int | None) -> None:
     # Pieces are disjoint and zero elsewhere, so the sum is the exact concatenation.
     if to_rank is None:
-        dist.all_reduce(tensor, group=optimizer.process_group)
+        dist.all_reduce(tensor, group=shards.process_group)
     else:
         dist.reduce(
-            tensor, dst=dist.get_global_rank(optimizer.process_group, to_rank), group=optimizer.process_group
+            tensor, dst=dist.get_global_rank(shards.process_group, to_rank), group=shards.process_group
         )
 
 
 def expected_state_keys(
-    optimizer: ShardingStage1, hyper: dict[str, Any], probe_shape: tuple[int, ...] = (2,)
+    shards: OptimizerShards, hyper: dict[str, Any], probe_shape: tuple[int, ...] = (2,)
 ) -> dict[str, bool]:
     """State keys the optimizer class keeps for a param of a group configured by ``hyper``, each
     mapped to whether it is element-wise, found by stepping a throwaway copy on a param of
     ``probe_shape``: 2 elements, or for a class that steps whole params, 2 along each of the
     param's dims (Adafactor keeps other keys for matrices than for vectors, Muon takes only
     matrices)."""
-    inner = optimizer._inner
-    probe = torch.zeros(probe_shape, dtype=optimizer.plan.buckets[0].dtype, requires_grad=True)
+    inner = shards.inner
+    probe = torch.zeros(probe_shape, dtype=shards.plan.buckets[0].dtype, requires_grad=True)
     probe.grad = torch.zeros_like(probe)
     throwaway = type(inner)([{**hyper, "params": [probe]}], **constructor_kwargs(inner))
     throwaway.step()
     return {key: is_elementwise(value, probe) for key, value in throwaway.state[probe].items()}
 
 
-def load_state_dict(optimizer: ShardingStage1, state_dict: dict[str, Any]) -> None:
+def load_state_dict(shards: OptimizerShards, state_dict: dict[str, Any]) -> None:
     """Validate a standard state dict completely, then install this rank's shard of it."""
-    params = optimizer._buffers.params
-    _check_structure(optimizer, state_dict)
+    params = shards.buffers.params
+    _check_structure(shards, state_dict)
     saved_groups = state_dict["param_groups"]
     saved_ids = [i for group in saved_groups for i in group["params"]]
     by_position = {saved_id: position for position, saved_id in enumerate(saved_ids)}
@@ -167,18 +163,18 @@ def load_state_dict(optimizer: ShardingStage1, state_dict: dict[str, Any]) -> No
         )
     saved_state = {by_position[k]: v for k, v in state_dict["state"].items()}
     group_of = [g for g, group in enumerate(saved_groups) for _ in group["params"]]
-    expected = _ExpectedKeys(optimizer, saved_groups, group_of)
+    expected = _ExpectedKeys(shards, saved_groups, group_of)
     for position, entry in saved_state.items():
-        _check_param_state(optimizer, position, params[position], entry, expected.of(position))
+        _check_param_state(shards, position, params[position], entry, expected.of(position))
     for position in saved_state:
-        optimizer._materialize(optimizer.plan.slot(position).bucket_index)
-    local_states = _local_states(optimizer, saved_state, expected)
-    for ours, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        shards.materialize(shards.plan.slot(position).bucket_index)
+    local_states = _local_states(shards, saved_state, expected)
+    for ours, saved in zip(shards.param_groups, saved_groups, strict=True):
         ours.update(hyperparameters(saved))
-    load_param_states(optimizer._inner, optimizer._comm.live_shards(), local_states, optimizer.param_groups)
+    load_param_states(shards.inner, shards.comm.live_shards(), local_states, shards.param_groups)
 
 
-def _check_structure(optimizer: ShardingStage1, state_dict: Any) -> None:
+def _check_structure(shards: OptimizerShards, state_dict: Any) -> None:
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
         raise ValueError(
             "ShardingStage1.load_state_dict expects a torch optimizer state dict with 'state' and "
@@ -186,12 +182,12 @@ def _check_structure(optimizer: ShardingStage1, state_dict: Any) -> None:
             + (f" with keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict) else "")
         )
     saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
+    if len(saved_groups) != len(shards.param_groups):
         raise ValueError(
-            f"ShardingStage1.load_state_dict expects {len(optimizer.param_groups)} param groups but the "
+            f"ShardingStage1.load_state_dict expects {len(shards.param_groups)} param groups but the "
             f"state dict has {len(saved_groups)}; it was saved from a differently built optimizer"
         )
-    for index, (ours, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
+    for index, (ours, saved) in enumerate(zip(shards.param_groups, saved_groups, strict=True)):
         if len(ours["params"]) != len(saved["params"]):
             raise ValueError(
                 f"ShardingStage1.load_state_dict expects {len(ours['params'])} params in group {index} "
@@ -200,7 +196,7 @@ def _check_structure(optimizer: ShardingStage1, state_dict: Any) -> None:
 
 
 def _check_param_state(
-    optimizer: ShardingStage1, position: int, param: Tensor, entry: Any, expected: dict[str, bool]
+    shards: OptimizerShards, position: int, param: Tensor, entry: Any, expected: dict[str, bool]
 ) -> None:
     if not isinstance(entry, dict):
         raise ValueError(
@@ -210,7 +206,7 @@ def _check_param_state(
     if set(entry) != set(expected):
         raise ValueError(
             f"ShardingStage1.load_state_dict: param {position} has state keys {sorted(entry)} but "
-            f"{type(optimizer._inner).__name__} configured as the saved param group keeps "
+            f"{type(shards.inner).__name__} configured as the saved param group keeps "
             f"{sorted(expected)}; the state dict was saved from another optimizer class or configuration"
         )
     for key, elementwise in expected.items():
@@ -228,29 +224,30 @@ class _ExpectedKeys:
     class that steps whole params per group and number of dims."""
 
     def __init__(
-        self, optimizer: ShardingStage1, saved_groups: list[dict[str, Any]], group_of: list[int]
+        self, shards: OptimizerShards, saved_groups: list[dict[str, Any]], group_of: list[int]
     ) -> None:
-        self._optimizer = optimizer
+        self._shards = shards
         self._saved_groups = saved_groups
         self._group_of = group_of
         self._probed: dict[tuple[int, tuple[int, ...]], dict[str, bool]] = {}
 
     def of(self, position: int) -> dict[str, bool]:
         group = self._group_of[position]
-        bucket = self._optimizer.plan.buckets[self._optimizer.plan.slot(position).bucket_index]
-        shape = (2,) * len(self._optimizer._buffers.params[position].shape) if bucket.whole_params else (2,)
+        plan = self._shards.plan
+        bucket = plan.buckets[plan.slot(position).bucket_index]
+        shape = (2,) * len(self._shards.buffers.params[position].shape) if bucket.whole_params else (2,)
         key = (group, shape)
         if key not in self._probed:
             hyper = hyperparameters(self._saved_groups[group])
-            self._probed[key] = expected_state_keys(self._optimizer, hyper, shape)
+            self._probed[key] = expected_state_keys(self._shards, hyper, shape)
         return self._probed[key]
 
 
 def _local_states(
-    optimizer: ShardingStage1, saved_state: dict[int, dict], expected: _ExpectedKeys
+    shards: OptimizerShards, saved_state: dict[int, dict], expected: _ExpectedKeys
 ) -> dict[int, ParamState]:
     """Per param with saved state and a piece on this rank, its local state."""
-    pieces = local_pieces(optimizer)
+    pieces = local_pieces(shards)
     states: dict[int, ParamState] = {}
     for position, entry in saved_state.items():
         piece = pieces.get(position)
@@ -258,7 +255,7 @@ def _local_states(
             continue
         elementwise = expected.of(position)
         states[position] = {
-            key: _cut(value, piece, optimizer.plan.slot(position)) if elementwise[key] else value
+            key: _cut(value, piece, shards.plan.slot(position)) if elementwise[key] else value
             for key, value in entry.items()
         }
     return states

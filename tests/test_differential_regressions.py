@@ -27,7 +27,7 @@ from tests.dist_helper import run_ranks
 CASES: dict[str, Program] = {
     # Found: clip_grad_norm_, step(), step() again. torch's second step uses the clipped grads;
     # the wrapper reduced the local grads again and stepped them unclipped (SGD: 4e-3 on the
-    # scale param after one step). Note [A step without backward] in sharded_opt/optimizer.py.
+    # scale param after one step). Note [A step without backward] in sharded_opt/grad_sync.py.
     "clip_then_step_twice": Program(optimizer="sgd", steps=(StepSpec(clip=0.05, step_twice=True),)),
     # The same through a step without backward after grads were kept (not zeroed).
     "clip_then_step_without_backward": Program(

@@ -1,4 +1,4 @@
-"""The per-bucket step pipeline (Note [Step pipeline] in ``sharded_opt/optimizer.py``): each
+"""The per-bucket step pipeline (Note [Step pipeline] in ``sharded_opt/step_pipeline.py``): each
 bucket's shard is stepped as soon as its own reduction is finished, every all-gather starts only
 after its own bucket's step, and results are bitwise those of one step over all buckets, in sync
 and overlap mode, with clipping and with bf16 params on fp32 masters.
@@ -62,7 +62,7 @@ def _wrap(model: nn.Module, overlap: bool, bf16: bool) -> ShardingStage1:
 def _record_events(opt: ShardingStage1) -> list[tuple[str, tuple[int, ...]]]:
     """Wrap the communicator's finish/start calls and the inner steps to log them in order."""
     events: list[tuple[str, tuple[int, ...]]] = []
-    comm = opt._comm
+    comm = opt._shards.comm
     bucket_of = {id(p): s.bucket.index for s in comm.live_shards() for p in s.inner_params}
 
     def logged(name, method, buckets_of):
@@ -77,7 +77,7 @@ def _record_events(opt: ShardingStage1) -> list[tuple[str, tuple[int, ...]]]:
     stepped_buckets = lambda params_per_group, kwargs: tuple(  # noqa: E731
         sorted({bucket_of[id(p)] for params in params_per_group for p in params})
     )
-    opt._inner_step = logged("step", opt._inner_step, stepped_buckets)
+    opt._pipeline._inner_step = logged("step", opt._pipeline._inner_step, stepped_buckets)
     return events
 
 
@@ -121,7 +121,7 @@ def _flag_groups() -> dict[str, object]:
     return {
         "flag_groups": used["all_reduce"],
         "reduction_groups": used["reduction"],
-        "flag_group_ranks": dist.get_process_group_ranks(opt._presence._group),
+        "flag_group_ranks": dist.get_process_group_ranks(opt._grad_sync.presence._group),
         "buckets": len(opt.plan.buckets),
     }
 
@@ -130,7 +130,7 @@ def _train(overlap: bool, per_bucket: bool, clip: bool, bf16: bool) -> list[torc
     dtype = torch.bfloat16 if bf16 else torch.float32
     model = _Net(dtype)
     opt = _wrap(model, overlap, bf16)
-    opt._step_per_bucket = per_bucket
+    opt._pipeline.step_per_bucket = per_bucket
     for step in range(4):
         opt.zero_grad()
         # The middle layer gets no grad in step 2 on rank 0 only, and in step 3 on no rank.

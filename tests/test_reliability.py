@@ -44,7 +44,7 @@ def _step_after_failed_backward() -> dict:
     loss = model.head(torch.tanh(model.fc2(hidden))).sum()
     with contextlib.suppress(ValueError):
         loss.backward()
-    launched = optimizer._comm.launched_grad_buckets()
+    launched = optimizer._shards.comm.launched_grad_buckets()
     try:
         optimizer.step()
         refused = "stepped"
@@ -54,7 +54,8 @@ def _step_after_failed_backward() -> dict:
     model(inputs).sum().backward()
     optimizer.step()  # the next iteration works normally
     optimizer.sync_params()
-    return {"launched": launched, "refused": refused, "pending": optimizer._comm.launched_grad_buckets()}
+    pending = optimizer._shards.comm.launched_grad_buckets()
+    return {"launched": launched, "refused": refused, "pending": pending}
 
 
 def test_step_after_a_backward_that_raised_midway_is_refused_then_recovers() -> None:

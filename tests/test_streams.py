@@ -4,6 +4,8 @@ accelerator path run with fake streams, events and collectives (the real thing r
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -75,9 +77,8 @@ def test_reduction_waits_for_every_stream_that_accumulated_grads_of_the_bucket(
 ) -> None:
     params, comm = _communicator((8, 8))
     assert len(comm.buffers.plan.buckets) == 1
-    tracker = GradReadyTracker(  # noqa: F841 (its hooks live as long as it does)
-        comm.buffers, comm.materialize, comm.start_grad_sync, note_grad_stream=comm.note_grad_stream
-    )
+    launcher = SimpleNamespace(start_bucket_grad_sync=comm.start_grad_sync, all_buckets_launched=lambda: None)
+    tracker = GradReadyTracker(comm.buffers, comm, launcher, grad_streams=comm)  # noqa: F841 (hooks live with it)
     side = FakeStream(accelerator, "side")
 
     def accumulate_on(stream: FakeStream):
@@ -102,7 +103,10 @@ def test_grad_hooks_note_the_stream_in_no_sync_too() -> None:
     plan = plan_layout([ParamSpec.of(p, 0) for p in params], 2, align_bytes=256, bucket_size_bytes=1 << 20)
     noted: list[int] = []
     tracker = GradReadyTracker(
-        FlatBuffers(plan, params), lambda index: None, lambda index: None, note_grad_stream=noted.append
+        FlatBuffers(plan, params),
+        SimpleNamespace(materialize=lambda index: None),
+        SimpleNamespace(start_bucket_grad_sync=lambda index: None, all_buckets_launched=lambda: None),
+        grad_streams=SimpleNamespace(note_grad_stream=noted.append),
     )
     tracker.accumulate_only = True
     (params[0] + params[1]).sum().backward()

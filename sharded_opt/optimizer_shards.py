@@ -1,0 +1,84 @@
+"""``OptimizerShards``: this rank's shards of every bucket and the inner optimizer that steps them.
+
+The one object that knows where the optimizer state lives. The wrapper's runtime pieces (the
+grad hooks, which give a bucket its shard when a param of it starts to require grad) and the
+state conversions (``state_dict``, DCP checkpoints) reach the state through it, so none of them
+needs the wrapper itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.distributed import ProcessGroup
+
+from fusion.buffers import FlatBuffers
+from fusion.layout import LayoutPlan
+from sharded_opt.bucket_comm import BucketCommunicator
+from sharded_opt.hybrid_groups import ShardGroups
+from sharded_opt.inner_optimizer import add_shard
+
+
+class ParamGroupsOwner(Protocol):
+    """The optimizer whose ``param_groups`` the user (and schedulers) see."""
+
+    param_groups: list[dict[str, Any]]
+
+
+@dataclass(eq=False)
+class OptimizerShards:
+    """The layout, the flat buffers, the per-bucket shards (in ``comm``) and the inner optimizer,
+    with the group they are sharded over.
+
+    ``owner`` is the wrapper, whose ``param_groups`` (the wrapped optimizer's group dicts) are
+    read from it at each use, as the wrapper's own methods read them; ``process_group``,
+    ``rank`` and ``world_size`` describe the wrapper's whole group, ``groups`` its shard and
+    replicate groups (see Note [Hybrid sharding] in ``hybrid_groups``).
+    """
+
+    plan: LayoutPlan
+    buffers: FlatBuffers
+    comm: BucketCommunicator
+    inner: torch.optim.Optimizer
+    owner: ParamGroupsOwner
+    groups: ShardGroups
+    process_group: ProcessGroup
+    rank: int
+    world_size: int
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.owner.param_groups
+
+    def materialize(self, bucket_index: int) -> None:
+        """Give the bucket its grad buffer and shard, and the inner optimizer the shard's pieces
+        (idempotent)."""
+        shard = self.comm.materialize(bucket_index)
+        if shard is not None:
+            add_shard(self.inner, shard)
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state tensors held by this rank."""
+        return sum(
+            value.numel() * value.element_size()
+            for state in self.inner.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+        )
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for training, by kind (see ``ShardingStage1.memory_bytes``)."""
+
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        return {
+            "params": nbytes(self.buffers.param_buffers),
+            "grads": nbytes(g for g in self.buffers.grad_buffers if g is not None),
+            "reduced_grads": nbytes(self.comm.reduced_grad_tensors()),
+            "master": nbytes(s.master for s in self.comm.live_shards() if s.master is not None),
+            "optimizer_state": self.optimizer_state_bytes(),
+            "staging": self.comm.staging_bytes(),
+        }

@@ -1,0 +1,152 @@
+"""``StepPipeline``: stepping each bucket's shard as its reduction lands.
+
+Note [Step pipeline]
+    Buckets' reductions land in bucket order (bucket 0 holds the last layers, whose grads
+    backward produces first; gloo completes a group's collectives in issue order). ``step()``
+    therefore takes the buckets in that order: it waits for bucket 0's reduction alone, steps
+    bucket 0's shard, then waits for bucket 1, and so on, so the optimizer works while later
+    reductions are still on the wire, instead of waiting for all of them first (Megatron's
+    ``overlap_param_gather_with_optimizer_step`` idea). The presence flags travel just before
+    each bucket's reduction, or on gloo on a group of their own right after the last one (Note
+    [Presence per bucket] in ``grad_presence``), so nothing else has to land first.
+
+    A bucket's step is one call of the wrapped optimizer's ``step`` over that bucket's pieces
+    only (its param groups temporarily hold just them; pieces of params without a grad are left
+    out as before). torch's element-wise optimizers keep every piece of state per param
+    (``step`` included), so N calls over disjoint pieces compute bitwise what one call over all
+    of them does. A class that is not one of torch's own (``assume_elementwise=True``) may keep
+    state per call, so it is stepped once, over every bucket, after every reduction; so is any
+    optimizer on one rank, where there is nothing to wait for.
+
+    ``clip_grad_norm_`` and ``ShardedGradScaler`` need every shard's grads before any step (a
+    global norm, a global inf flag): they finish every reduction themselves, and the pipeline
+    then only steps.
+
+    All-gathers: each bucket's all-gather starts behind the last optimizer op of its own step
+    (``start_param_sync`` makes the comm stream wait for it). They are issued after the whole
+    step, in forward order (reverse bucket index), not one after each bucket's step: the
+    latter queues them in backward order, and gloo runs a group's collectives in issue order,
+    so the next forward's first module (last bucket) would wait for every all-gather; see
+    ``benchmarks/results/2026-12-03-pipeline-cpu-2core.md`` for both measured.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from sharded_opt.grad_sync import GradSync
+from sharded_opt.inner_optimizer import copy_group_updates, hyperparameters, step_without_hooks
+from sharded_opt.optimizer_shards import OptimizerShards
+
+
+class ParamSyncStarter(Protocol):
+    """Starts the all-gathers of the buckets a step changed."""
+
+    def start_param_sync(self, bucket_indices: list[int]) -> None: ...
+
+
+class StepPipeline:
+    """Steps the inner optimizer over the shards, bucket by bucket as their reductions finish,
+    and starts the all-gathers of the buckets it changed; see Note [Step pipeline].
+
+    Args:
+        shards: the per-bucket shards and the inner optimizer.
+        grad_sync: finishes each bucket's reduction and knows which params got a grad.
+        param_sync: starts the all-gathers.
+        step_per_bucket: one inner step per bucket (torch's own classes keep all state per
+            param, so that is exact); otherwise one inner step after every reduction.
+    """
+
+    def __init__(
+        self,
+        shards: OptimizerShards,
+        grad_sync: GradSync,
+        param_sync: ParamSyncStarter,
+        step_per_bucket: bool,
+    ) -> None:
+        self._shards = shards
+        self._comm = shards.comm
+        self._inner = shards.inner
+        self._grad_sync = grad_sync
+        self._param_sync = param_sync
+        self.step_per_bucket = step_per_bucket
+
+    def step(self, kwargs: dict[str, Any]) -> None:
+        """Step every bucket's shard and start the all-gathers of those that changed; see Note
+        [Step pipeline]."""
+        self._sync_hyperparameters()
+        order = [shard.bucket.index for shard in self._comm.live_shards()]  # the landing order
+        if not self.step_per_bucket:
+            self._grad_sync.finish_grad_sync(order)
+            stepped = self._step_buckets(order, kwargs)
+        else:
+            stepped = []
+            for bucket_index in order:
+                self._grad_sync.finish_grad_sync([bucket_index])
+                stepped += self._step_buckets([bucket_index], kwargs)
+        self._param_sync.start_param_sync(stepped)
+        self._mark_params_updated(stepped)
+
+    def _mark_params_updated(self, bucket_indices: list[int]) -> None:
+        """Bump the version counter of every param the step changed, as torch's in-place
+        optimizer update does: a graph built before ``step()`` that saved a param for its
+        backward (``loss1.backward(retain_graph=True); opt.step(); loss2.backward()``) then
+        raises torch's "modified by an inplace operation" error instead of silently
+        differentiating through the new weights. The update itself went through the flat
+        buffers, whose views count versions apart from the params (Note [Writes while params
+        are gathered] in ``param_hooks``), so the params' own counters need the bump; it comes
+        before ``gathers_started`` records them."""
+        params = self._shards.buffers.params
+        presence = self._grad_sync.presence
+        updated = [
+            params[index]
+            for bucket_index in bucket_indices
+            for index in presence.params_with_grads(bucket_index)
+        ]
+        if updated:
+            torch.autograd.graph.increment_version(updated)
+
+    def _step_buckets(self, bucket_indices: list[int], kwargs: dict[str, Any]) -> list[int]:
+        """One inner step over the pieces of ``bucket_indices`` whose params got a grad on some
+        rank; returns the buckets it changed. Pieces of other params (and other buckets) are
+        left out of the step, so, as in torch, they and their state stay untouched."""
+        presence = self._grad_sync.presence
+        groups: list[list[torch.Tensor]] = [[] for _ in self._inner.param_groups]
+        stepped = []
+        for bucket_index in bucket_indices:
+            shard = self._comm.shards[bucket_index]
+            present = presence.agreed(bucket_index)
+            if shard is None or not any(present):
+                continue
+            stepped.append(bucket_index)
+            shard.refresh_master()
+            group = groups[shard.bucket.group_index]
+            if all(present):
+                group += shard.inner_params
+            else:
+                owners = presence.params_with_grads(bucket_index)
+                pieces = zip(shard.inner_params, shard.inner_owners, strict=True)
+                group += [piece for piece, owner in pieces if owner in owners]
+        if any(groups) or not self.step_per_bucket:
+            self._inner_step(groups, kwargs)
+        return stepped
+
+    def _inner_step(self, params_per_group: list[list[torch.Tensor]], kwargs: dict[str, Any]) -> None:
+        """The wrapped class's ``step`` over ``params_per_group`` only, the groups' full lists
+        restored afterwards."""
+        inner_groups = self._inner.param_groups
+        full = [group["params"] for group in inner_groups]
+        try:
+            for group, params in zip(inner_groups, params_per_group, strict=True):
+                group["params"] = params
+            step_without_hooks(self._inner, kwargs)
+            copy_group_updates(self._inner.param_groups, self._shards.param_groups)
+        finally:
+            for group, params in zip(inner_groups, full, strict=True):
+                group["params"] = params
+
+    def _sync_hyperparameters(self) -> None:
+        for outer, inner in zip(self._shards.param_groups, self._inner.param_groups, strict=True):
+            inner.update(hyperparameters(outer))
