@@ -255,6 +255,8 @@ class LayoutPlan:
             raise ValueError(
                 f"LayoutPlan.owner: param {param_index} is laid out element-wise, it has no owner"
             )
+        if slot.numel == 0:  # it occupies nothing; it may start where the next shard does
+            return bucket.empty_slot_rank(slot)
         return slot.offset // bucket.shard_numel
 
 
@@ -373,12 +375,11 @@ def _build_bucket(
 ) -> BucketPlan:
     first = members[0][1]
     align = align_numel(first.dtype, align_bytes)
-    slots = []
-    cursor = 0
-    for param_index, spec in members:
-        offset = slot_offset(cursor, spec.numel, align, spec.dtype.itemsize)
-        slots.append(ParamSlot(param_index, bucket_index, offset, spec.numel, spec.shape, spec.strides))
-        cursor = offset + spec.numel
+    placed, cursor = _pack(members, align)
+    slots = [
+        ParamSlot(param_index, bucket_index, offset, spec.numel, spec.shape, spec.strides)
+        for param_index, spec, offset in placed
+    ]
     padded = round_up(max(cursor, 1), world_size * align)
     return BucketPlan(
         bucket_index,
@@ -422,17 +423,8 @@ def _build_owned_bucket(
         work_per_rank[rank] += bin_work[bin_index]
     layouts = [_pack(sorted(bins[owned[rank]], key=lambda m: -m[0]), align) for rank in range(world_size)]
     shard_numel = round_up(max(1, *(end for _, end in layouts)), align)
-    # A zero-element param packed last in a full shard would start where the next shard does;
-    # it occupies nothing, so it starts inside its owner's shard (the owner holds its state).
     slots = [
-        ParamSlot(
-            index,
-            bucket_index,
-            rank * shard_numel + (offset if spec.numel else min(offset, shard_numel - 1)),
-            spec.numel,
-            spec.shape,
-            spec.strides,
-        )
+        ParamSlot(index, bucket_index, rank * shard_numel + offset, spec.numel, spec.shape, spec.strides)
         for rank, (placed, _) in enumerate(layouts)
         for index, spec, offset in placed
     ]

@@ -45,7 +45,7 @@ def owned(plan: LayoutPlan, bucket_index: int) -> list[list[int]]:
     bucket = plan.buckets[bucket_index]
     ranks: list[list[int]] = [[] for _ in range(bucket.world_size)]
     for slot in bucket.slots:
-        ranks[slot.offset // bucket.shard_numel].append(slot.param_index)
+        ranks[plan.owner(slot.param_index)].append(slot.param_index)
     return ranks
 
 
@@ -72,10 +72,9 @@ def test_every_param_lies_whole_in_one_equal_aligned_shard(params, world_size, a
         assert bucket.shard_numel % align == 0 and bucket.padded_numel == world_size * bucket.shard_numel
         ends = [0] * world_size
         for slot in bucket.slots:
-            rank = slot.offset // bucket.shard_numel
+            rank = plan.owner(slot.param_index)
             start = slot.offset - rank * bucket.shard_numel
-            assert start + slot.numel <= bucket.shard_numel, "a param crosses a shard boundary"
-            assert plan.owner(slot.param_index) == rank
+            assert start >= 0 and start + slot.numel <= bucket.shard_numel, "a param crosses a shard boundary"
             # Exactly one piece, on the owner (a zero-size param's is empty: it still has state).
             holders = [
                 r
@@ -85,7 +84,7 @@ def test_every_param_lies_whole_in_one_equal_aligned_shard(params, world_size, a
             ]
             assert holders == [rank]
             if slot.numel == 0:
-                continue  # it occupies nothing; it starts inside its owner's shard
+                continue  # it occupies nothing
             # Laid out from the shard's start by the element-wise rules, owners' params in layout order.
             assert start == start_after(ends[rank], slot.numel, align, bucket.dtype.itemsize)
             ends[rank] = start + slot.numel
