@@ -90,7 +90,7 @@ class GradPresence:
     ) -> None:
         self.per_bucket = per_bucket
         self._buckets = buckets
-        self._group = group
+        self.group = group
         self._world_size = world_size
         self._device = device
         self._pending: dict[int, tuple[_SharedFlags, int]] = {}
@@ -104,7 +104,7 @@ class GradPresence:
             shared = _SharedFlags(None, None, flags)
         else:
             shared_flags = torch.tensor(flags, dtype=torch.uint8, device=self._device)
-            work = dist.all_reduce(shared_flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+            work = dist.all_reduce(shared_flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             shared = _SharedFlags(shared_flags, work)
         offset = 0
         for bucket_index in bucket_indices:

@@ -34,7 +34,10 @@ Note [Collectives from agreed state]
       ``unscale_``), ``state_dict``/checkpoints (collectives fixed by the layout and the world
       size; the collective guard raises when a rank did not call them): issued per call, and
       every rank makes the call. Absent grads are zeroed from the agreed flags before a norm.
-    - ``close()`` and ``sync_params()`` wait for collectives already issued and issue none.
+    - ``sync_params()`` waits for collectives already issued and issues none. ``close()`` does
+      the same, then one barrier per group of the wrapper when it spans the whole world (its
+      size, the same everywhere), called on every rank by contract; after an exception in a
+      ``with`` block (a rank-local fact) it issues none (Note [Releasing a wrapper's groups]).
 
     ``tests/differential.py`` runs its programs with torch's collective check (Note in its
     ``check_collectives_across_ranks``), so a rank that breaks this fails loudly in the tests.

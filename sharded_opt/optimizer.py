@@ -50,6 +50,7 @@ from sharded_opt.validation import (
     check_same_layout,
     check_trained_modules,
     collect_params,
+    release_communicators,
 )
 from sharded_opt.weak_hooks import remove_handles
 from sharded_opt.wrapped_guard import ADD_GROUPS_FIRST, WrappedOptimizerGuard
@@ -386,10 +387,23 @@ class ShardingStage1(torch.optim.Optimizer):
         ``close()`` loses its hooks when it is garbage collected (see Note [Hook lifetimes and
         copies]), but its torch optimizer keeps refusing ``step()``; ``with ShardingStage1(...)
         as opt:`` closes at the end of the block. Calling it again does nothing.
+
+        Collective when the wrapper spans every rank: it then destroys the process groups it
+        created (Note [Releasing a wrapper's groups] in ``validation``), so call it on every
+        rank. A ``with`` block left by an exception closes this rank alone and keeps them.
         """
+        self._close(release_groups=True)
+
+    def _close(self, release_groups: bool) -> None:
+        if self._closed:
+            return
         self._closed = True
         self._release()
         self._wrapped_guard.release()
+        if release_groups:
+            groups = self.shard_groups
+            others = [groups.shard, groups.replicate, self._grad_sync.presence.group]
+            release_communicators(groups.world, others)
 
     def __enter__(self) -> ShardingStage1:
         return self
@@ -400,7 +414,8 @@ class ShardingStage1(torch.optim.Optimizer):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.close()
+        # After an exception the other ranks may never reach close(): no collective then.
+        self._close(release_groups=exc_type is None)
 
     # -- introspection -----------------------------------------------------------------------
 

@@ -255,10 +255,10 @@ def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGr
         take part; torch then names the group after its ranks and the number of groups this
         process belongs to, so members must belong to equally many groups (a group a rank is
         not in does not count: ``new_group([0])`` on two ranks would make the names differ);
-        otherwise the creation waits and fails after the group's timeout. The
-        group lives until the default group is destroyed (at exit, or by
-        ``destroy_process_group()``): one per wrapper, none per step (on gloo a second one
-        carries the presence flags, Note [Presence per bucket] in ``grad_presence``).
+        otherwise the creation waits and fails after the group's timeout. One group per
+        wrapper, none per step (on gloo a second one carries the presence flags, Note
+        [Presence per bucket] in ``grad_presence``); ``close()`` destroys them, see Note
+        [Releasing a wrapper's groups].
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -283,6 +283,41 @@ def new_communicator(ranks: list[int], like: ProcessGroup, local: bool) -> Proce
         backend=dist.get_backend(like),
         use_local_synchronization=local,
     )
+
+
+def release_communicators(world: ProcessGroup, others: list[ProcessGroup | None]) -> None:
+    """Destroy the wrapper's own groups, its ``world`` and ``others`` (in the same order on every
+    rank, None skipped), once every rank has finished with them (collective).
+
+    Note [Releasing a wrapper's groups]
+        Each group holds threads and sockets (gloo: about six threads a group, twice that
+        under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) until it is destroyed, so a process that
+        builds wrappers in a loop (a sweep, a fuzzer, a trainer rebuilt per phase) would pile
+        them up until the machine thrashes. ``close()`` destroys them, after a barrier on each:
+        a rank may destroy a group only when no peer still waits on it, and the barrier also
+        completes every collective issued before it on that group (the last all-gathers, a
+        reduction started by a backward that no ``step()`` followed). Hence ``close()`` is
+        collective, like ``destroy_process_group``.
+
+        Only groups over the whole world are destroyed. torch names those by a counter that
+        never repeats; a group created by its members only (a wrapper over a strict subgroup)
+        is named after its ranks and the number of live groups, so destroying it would let
+        the next such group take the same name, and that group's rendezvous reads the stale
+        keys the old one left in the store and hangs (measured: the second of two [0, 1]
+        groups created and destroyed in turn on three ranks never connects). Those stay until
+        the default group is destroyed, as before.
+    """
+    if not dist.is_initialized() or dist.get_world_size(world) != dist.get_world_size():
+        return
+    for group in dict.fromkeys(g for g in [world, *others] if g is not None):  # distinct, in order
+        try:
+            dist.barrier(group=group)
+        except RuntimeError as error:
+            raise RuntimeError(
+                "ShardingStage1.close() is collective: call it on every rank of the wrapper. "
+                f"This rank waited for the others at close() and gave up ({error})"
+            ) from error
+        dist.destroy_process_group(group)
 
 
 def check_same_layout(specs: list[ParamSpec], group: ProcessGroup, world_size: int) -> None:

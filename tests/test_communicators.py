@@ -4,6 +4,11 @@ their asynchronous collectives never pair up with another wrapper's (see
 
 from __future__ import annotations
 
+import datetime
+import gc
+import os
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -95,7 +100,7 @@ def _communicator_timeouts() -> list[float]:
     """The collective timeouts of the wrapper's communicator and of its presence-flag group."""
     generator, _ = _generator_and_discriminator()
     optimizer = ShardingStage1(torch.optim.SGD(generator.parameters(), lr=0.1))
-    groups = (optimizer.process_group, optimizer._grad_sync.presence._group)
+    groups = (optimizer.process_group, optimizer._grad_sync.presence.group)
     return [group._get_backend(torch.device("cpu")).options._timeout.total_seconds() for group in groups]
 
 
@@ -103,3 +108,71 @@ def test_communicators_keep_the_user_groups_timeout() -> None:
     """Both of the wrapper's groups (its communicator and the presence flags' group, Note
     [Presence per bucket]) fail a dead peer's collectives after the user's timeout."""
     assert run_ranks(_communicator_timeouts, 2, timeout_s=17.0) == [[17.0, 17.0], [17.0, 17.0]]
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _build_and_close_wrappers(count: int, degree: int | None) -> list[int]:
+    """Threads of this process after each of ``count`` wrappers was built, stepped and closed."""
+    threads = []
+    for index in range(count):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        strategy = Strategy(sharding=ShardingConfig(degree=degree))
+        with ShardingStage1(
+            torch.optim.AdamW(model.parameters()), overlap=index % 2 == 1, model=model, strategy=strategy
+        ) as optimizer:
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+        gc.collect()  # a destroyed group's threads end when the object is freed
+        threads.append(_threads())
+    return threads
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.parametrize(("world_size", "degree"), [(2, None), (4, 2)])
+def test_closing_wrappers_releases_their_groups_threads(world_size: int, degree: int | None) -> None:
+    """Each wrapper's groups hold gloo threads (six a wrapper): a loop that builds and closes
+    wrappers stays flat instead of growing by them (Note [Releasing a wrapper's groups])."""
+    for rank, threads in enumerate(run_ranks(_build_and_close_wrappers, world_size, 6, degree)):
+        assert threads[-1] <= threads[0], f"rank {rank}: threads grew {threads} while closing wrappers"
+
+
+def _subgroup_wrappers_in_turn() -> bool:
+    """Wrappers over the strict subgroup [0, 1] of three ranks, built and closed in turn."""
+    subgroup = dist.new_group([0, 1], use_local_synchronization=True)
+    if dist.get_rank() == 2:
+        return True
+    for _ in range(3):
+        model = nn.Linear(4, 4)
+        with ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), process_group=subgroup) as optimizer:
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+    return True
+
+
+def test_wrappers_over_a_subgroup_can_be_built_and_closed_in_turn() -> None:
+    """A subgroup wrapper's groups are named after their ranks and the count of live groups;
+    destroying them would hand the next wrapper a name whose stale rendezvous keys hang it, so
+    they are kept (Note [Releasing a wrapper's groups])."""
+    assert run_ranks(_subgroup_wrappers_in_turn, 3, timeout_s=SHORT_TIMEOUT_S) == [True] * 3
+
+
+def _close_on_rank_zero_only() -> str:
+    # The wrapper's communicator takes the user group's timeout: rank 0 gives up waiting at
+    # close() after it, not after the suite's minute (the tiny construction has ample slack).
+    group = dist.new_group(timeout=datetime.timedelta(seconds=10))
+    model = nn.Linear(4, 4)
+    optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), process_group=group)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return "skipped"
+    with pytest.raises(RuntimeError, match=r"close\(\) is collective") as error:
+        optimizer.close()
+    return str(error.value)
+
+
+def test_close_on_one_rank_only_names_the_mistake() -> None:
+    message = run_ranks(_close_on_rank_zero_only, 2)[0]
+    assert "call it on every rank" in message

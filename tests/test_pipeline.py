@@ -121,7 +121,7 @@ def _flag_groups() -> dict[str, object]:
     return {
         "flag_groups": used["all_reduce"],
         "reduction_groups": used["reduction"],
-        "flag_group_ranks": dist.get_process_group_ranks(opt._grad_sync.presence._group),
+        "flag_group_ranks": dist.get_process_group_ranks(opt._grad_sync.presence.group),
         "buckets": len(opt.plan.buckets),
     }
 
