@@ -106,19 +106,6 @@ Note [A second backward]
     of backwards, as with DDP. On one rank nothing is reduced, so the same holds. Without
     sharding (``enable=False``, or ``degree=1``) the all-reduce averages the grad buffers in
     place, so there a second backward raises, naming ``no_sync()``.
-
-Note [End of backward under reentrant checkpointing]
-    ``queue_callback`` queues on the backward that is running when it is called. With
-    ``torch.utils.checkpoint(..., use_reentrant=True)`` a checkpointed segment's grads are
-    computed by a nested backward inside the outer one, so a callback queued by a grad of that
-    segment runs when the segment's backward ends, long before the outer backward does;
-    flushing there would launch every bucket and the outer backward's later grads would look
-    like a second backward. While a nested backward ends, autograd still reports the outer
-    backward's node (the checkpoint's backward) as the one executing
-    (``torch._C._current_autograd_node()``; None at the end of the outermost backward). So at
-    the end of a nested backward the callback hooks that node instead, and the hook, which runs
-    in the enclosing backward once the node is done, queues the callback again there. Nesting
-    of any depth unwinds one level at a time, and the flush happens once, at the very end.
 """
 
 from __future__ import annotations
@@ -132,8 +119,9 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from fusion.buffers import FlatBuffers
+from sharded_opt.backward_end import BackwardEnd
 from sharded_opt.validation import DROP_DDP
-from sharded_opt.weak_hooks import CopiesAsInert, WeakMethodHook, remove_handles
+from sharded_opt.weak_hooks import CopiesAsInert, remove_handles
 
 _requires_grad = operator.attrgetter("requires_grad")
 
@@ -211,8 +199,7 @@ class GradReadyTracker:
         self._laid_out_params = [buffers.params[index] for index in buffers.laid_out_indices]
         self._requires_grad_at_scan: bytes | None = None
         self._iteration = 0
-        self._backwards = 0
-        """Backwards ended so far; tells a retained graph's node hook it belongs to an old one."""
+        self._backward_end = BackwardEnd(self._end_of_backward)
         _retire_older_hooks(self._laid_out_params)
         self.scan()
         self.reset()
@@ -308,29 +295,18 @@ class GradReadyTracker:
     def _begin_backward(self) -> None:
         """The first hook of a backward: queue the work of its end."""
         self._in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._backward_end.queue()
 
     def _end_of_backward(self) -> None:
-        enclosing = torch._C._current_autograd_node()
-        if enclosing is not None:
-            # See Note [End of backward under reentrant checkpointing].
-            enclosing.register_hook(WeakMethodHook(self._requeue_in_enclosing_backward, self._backwards))
-            return
+        """The end of the outermost backward, see Note [End of backward under reentrant
+        checkpointing] in ``backward_end``."""
         self._in_backward = False
-        self._backwards += 1
         if self._counted_any:  # overlap mode counted grads in this iteration
             self._flushed_at_end = True
             self.flush()
         # Queued now, it runs after every callback queued during backward; see Note [Grads
         # written at the end of backward].
         torch.autograd.Variable._execution_engine.queue_callback(self._refuse_data_parallel_writes)
-
-    def _requeue_in_enclosing_backward(
-        self, backwards: int, grad_inputs: object, grad_outputs: object
-    ) -> None:
-        # A retained graph runs this node hook again in later backwards; only the first counts.
-        if backwards == self._backwards:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _refuse_data_parallel_writes(self) -> None:
         written = self.grads_written_since_backward()

@@ -59,11 +59,9 @@ Note [A step without backward]
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
 from sharded_opt import collectives
 from sharded_opt.grad_hooks import GradReadyTracker
@@ -197,38 +195,6 @@ class GradSync:
             yield
         finally:
             self.tracker.accumulate_only = previous
-
-    # -- the reduced grads ---------------------------------------------------------------------
-
-    def grad_norm(self, norm_type: float) -> torch.Tensor:
-        """The global norm of the averaged grads (collective); see ``ShardingStage1.grad_norm``."""
-        self.reduce_grads()
-        grads = self._comm.local_grads()
-        if norm_type == math.inf:
-            local = torch.stack([g.abs().max().float() for g in grads]).max()
-            op = dist.ReduceOp.MAX
-        else:
-            local = torch.stack(
-                [torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads]
-            ).sum()
-            op = dist.ReduceOp.SUM
-        if self._comm.sharded:
-            # Replicas hold equal shards after the replicate all-reduce: each element counts once.
-            dist.all_reduce(local, op=op, group=self._comm.group)
-        return local if norm_type == math.inf else local ** (1.0 / norm_type)
-
-    def scale_grads(self, coefficient: torch.Tensor) -> None:
-        """Multiply the averaged grads (after :meth:`reduce_grads`) by ``coefficient``."""
-        for grad in self._comm.local_grads():
-            grad.mul_(coefficient.to(grad.dtype))
-        self.tracker.accept_grad_writes()
-
-    def clamp_grads(self, clip_value: float) -> None:
-        """Clamp the averaged grads to ``[-clip_value, clip_value]`` (reduces them first)."""
-        self.reduce_grads()
-        for grad in self._comm.local_grads():
-            grad.clamp_(-clip_value, clip_value)
-        self.tracker.accept_grad_writes()
 
     # -- launching, as the tracker's GradSyncLauncher ------------------------------------------
 

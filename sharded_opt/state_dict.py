@@ -16,10 +16,14 @@ Note [Element-wise and scalar state]
     copies the scalars. Which keys are element-wise cannot be read off a 0-dim param's state (its
     ``exp_avg`` is 0-dim like ``step``), so it is learned by stepping a throwaway optimizer of
     the same class and loaded configuration on a 2-element param.
+
+``StateDictExchange`` is the wrapper's ``state_dict`` / ``consolidate_state_dict`` /
+``load_state_dict`` around these conversions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -28,6 +32,7 @@ from torch import Tensor
 
 from fusion.buffers import flatten_to_slot, view_slot
 from fusion.layout import ParamSlot, ShardPiece
+from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.inner_optimizer import (
     ParamState,
     constructor_kwargs,
@@ -38,6 +43,7 @@ from sharded_opt.inner_optimizer import (
     param_states,
 )
 from sharded_opt.optimizer_shards import OptimizerShards
+from sharded_opt.param_guard import ParamWaiter
 
 
 def local_pieces(shards: OptimizerShards) -> dict[int, ShardPiece]:
@@ -266,3 +272,110 @@ def _cut(value: Tensor, piece: ShardPiece, slot: ParamSlot) -> Tensor:
     optimizer updates its state in place and must not write into the caller's dict."""
     flat = flatten_to_slot(value, slot)
     return flat[piece.param_start : piece.param_start + piece.numel].clone()
+
+
+class StateDictExchange:
+    """The state-dict calls of ``ShardingStage1`` around the conversions above: each first checks
+    that every rank called it (Note [Collectives entered by some ranks] in ``collective_guard``)
+    and waits for the all-gathers in flight, torch's state-dict hooks of the wrapper run around
+    the conversion, and what ``consolidate_state_dict`` gathered is kept until the next
+    ``step()`` or ``load_state_dict()`` changes the state.
+
+    Args:
+        shards: the layout, shards and inner optimizer the conversions read.
+        params_ready: waits for the all-gathers still writing the params.
+        entry_timeout_s: how long to wait for every rank to call; None: the group's own timeout.
+    """
+
+    def __init__(
+        self, shards: OptimizerShards, params_ready: ParamWaiter, entry_timeout_s: float | None
+    ) -> None:
+        self._shards = shards
+        self._params_ready = params_ready
+        self._entry_timeout_s = entry_timeout_s
+        self._consolidated: _Consolidated | None = None
+
+    def discard_consolidated(self) -> None:
+        """The state is about to change (``step()``): what was consolidated is stale."""
+        self._consolidated = None
+
+    def state_dict(self, wrapper: torch.optim.Optimizer, to_rank: int | None) -> dict[str, Any] | None:
+        """See ``ShardingStage1.state_dict``; ``wrapper``'s hooks run around it."""
+        world_size = self._shards.world_size
+        if to_rank is not None and not 0 <= to_rank < world_size:
+            raise ValueError(
+                f"ShardingStage1.state_dict expects to_rank in [0, {world_size}) but got {to_rank}"
+            )
+        consolidated = self._consolidated if to_rank is None else None
+        if consolidated is None:
+            self._params_ready.finish_param_sync()
+            self._check_all_ranks_enter(
+                "state_dict", "Call opt.state_dict(to_rank=0) on every rank (the others get None)"
+            )
+        for pre_hook in wrapper._optimizer_state_dict_pre_hooks.values():
+            pre_hook(wrapper)
+        if consolidated is None:
+            state = gather_state_dict(self._shards, to_rank)
+        else:
+            state = self._consolidated_state_dict(consolidated)
+        if state is not None:
+            for post_hook in wrapper._optimizer_state_dict_post_hooks.values():
+                state = _replaced_by(post_hook(wrapper, state), state)
+        return state
+
+    def consolidate(self, to: int) -> None:
+        """See ``ShardingStage1.consolidate_state_dict``."""
+        world_size = self._shards.world_size
+        if not 0 <= to < world_size:
+            raise ValueError(
+                f"ShardingStage1.consolidate_state_dict expects to in [0, {world_size}) but got {to}"
+            )
+        self._consolidated = None
+        self._params_ready.finish_param_sync()
+        self._check_all_ranks_enter(
+            "consolidate_state_dict", f"Call opt.consolidate_state_dict(to={to}) on every rank"
+        )
+        gathered = gather_state_dict(self._shards, to)
+        self._consolidated = _Consolidated(to, None if gathered is None else gathered["state"])
+
+    def load_state_dict(self, wrapper: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """See ``ShardingStage1.load_state_dict``; ``wrapper``'s hooks run around it."""
+        self._consolidated = None
+        self._params_ready.finish_param_sync()
+        self._check_all_ranks_enter("load_state_dict", "Call opt.load_state_dict(sd) on every rank")
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for pre_hook in wrapper._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = _replaced_by(pre_hook(wrapper, state_dict), state_dict)
+        load_state_dict(self._shards, state_dict)
+        for post_hook in wrapper._optimizer_load_state_dict_post_hooks.values():
+            post_hook(wrapper)
+
+    def _consolidated_state_dict(self, consolidated: _Consolidated) -> dict[str, Any]:
+        if consolidated.state is None:
+            raise RuntimeError(
+                f"ShardingStage1.state_dict: consolidate_state_dict(to={consolidated.rank}) gathered the "
+                f"state on rank {consolidated.rank}, so until the next step() only that rank's "
+                f"state_dict() returns it (this is rank {self._shards.rank}). Call opt.state_dict() on rank "
+                f"{consolidated.rank} alone, or opt.state_dict() / opt.state_dict(to_rank=...) on every rank"
+            )
+        # The param groups are read now: a scheduler may have changed them since consolidating.
+        return {"state": consolidated.state, "param_groups": indexed_groups(self._shards.param_groups)}
+
+    def _check_all_ranks_enter(self, method: str, fix: str) -> None:
+        check_all_ranks_enter(
+            f"ShardingStage1.{method}", fix, self._shards.process_group, self._entry_timeout_s
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Consolidated:
+    """What ``consolidate_state_dict`` gathered: the rank it went to, and there the ``"state"``
+    part of the state dict (None on the other ranks)."""
+
+    rank: int
+    state: dict[int, dict[str, Any]] | None
+
+
+def _replaced_by(hook_result: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """torch's hook protocol: a state-dict hook returns a new dict, or None to keep the old one."""
+    return state_dict if hook_result is None else hook_result

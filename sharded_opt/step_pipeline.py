@@ -1,4 +1,5 @@
-"""``StepPipeline``: stepping each bucket's shard as its reduction lands.
+"""``StepPipeline``: one ``step()`` from the local grads to the all-gathers, each bucket's shard
+stepped as its reduction lands.
 
 Note [Step pipeline]
     Buckets' reductions land in bucket order (bucket 0 holds the last layers, whose grads
@@ -32,46 +33,69 @@ Note [Step pipeline]
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from sharded_opt.grad_sync import GradSync
 from sharded_opt.inner_optimizer import copy_group_updates, hyperparameters, step_without_hooks
 from sharded_opt.optimizer_shards import OptimizerShards
-
-
-class ParamSyncStarter(Protocol):
-    """Starts the all-gathers of the buckets a step changed."""
-
-    def start_param_sync(self, bucket_indices: list[int]) -> None: ...
+from sharded_opt.param_sync import ParamSync
 
 
 class StepPipeline:
-    """Steps the inner optimizer over the shards, bucket by bucket as their reductions finish,
-    and starts the all-gathers of the buckets it changed; see Note [Step pipeline].
+    """Runs ``step()`` once the wrapper has checked its params and groups: reduces the grads,
+    skips or unscales as a ``ShardedGradScaler`` says, steps the inner optimizer over the shards
+    bucket by bucket as their reductions finish, and starts the all-gathers of the buckets it
+    changed; see Note [Step pipeline].
 
     Args:
         shards: the per-bucket shards and the inner optimizer.
-        grad_sync: finishes each bucket's reduction and knows which params got a grad.
-        param_sync: starts the all-gathers.
-        step_per_bucket: one inner step per bucket (torch's own classes keep all state per
-            param, so that is exact); otherwise one inner step after every reduction.
+        grad_sync: reduces the grads, finishes each bucket's reduction and knows which params got
+            a grad.
+        param_sync: waits for the last step's all-gathers and starts this step's.
+        state_per_param: the class keeps all its state per param (torch's own classes do), so
+            stepping it bucket by bucket is exact; otherwise, or on one rank, it steps once
+            after every reduction.
     """
 
     def __init__(
         self,
         shards: OptimizerShards,
         grad_sync: GradSync,
-        param_sync: ParamSyncStarter,
-        step_per_bucket: bool,
+        param_sync: ParamSync,
+        state_per_param: bool,
     ) -> None:
         self._shards = shards
         self._comm = shards.comm
         self._inner = shards.inner
         self._grad_sync = grad_sync
         self._param_sync = param_sync
-        self.step_per_bucket = step_per_bucket
+        self.step_per_bucket = shards.world_size > 1 and state_per_param
+        """One inner step per bucket as its reduction lands, see Note [Step pipeline]."""
+
+    def run(
+        self, kwargs: dict[str, Any], found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None
+    ) -> bool:
+        """One ``step()`` with the wrapped class's ``kwargs``, given the scaler's arguments (see
+        :func:`amp_scaling_arguments`); returns whether it stepped (not when the scaler found an
+        inf, on every rank alike)."""
+        self._param_sync.finish_param_sync()
+        if found_inf is None:
+            self._grad_sync.start_grad_sync()
+        else:
+            self._grad_sync.reduce_grads()  # the scaler reduced them already, to check the averaged grads
+        if found_inf is not None and float(found_inf) > 0:
+            self._grad_sync.start_iteration()  # the scaler saw an inf on some rank: every rank skips
+            return False
+        if grad_scale is not None:
+            inverse = grad_scale.double().reciprocal().float()
+            torch._foreach_mul_(self._comm.local_grads(), inverse)
+        self.step(kwargs)
+        self._param_sync.hand_over()
+        self._grad_sync.start_iteration()
+        self._grad_sync.record_step()
+        return True
 
     def step(self, kwargs: dict[str, Any]) -> None:
         """Step every bucket's shard and start the all-gathers of those that changed; see Note
@@ -150,3 +174,23 @@ class StepPipeline:
     def _sync_hyperparameters(self) -> None:
         for outer, inner in zip(self._shards.param_groups, self._inner.param_groups, strict=True):
             inner.update(hyperparameters(outer))
+
+
+def amp_scaling_arguments(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``found_inf`` and ``grad_scale`` that a ``GradScaler`` driving this step set on
+    ``optimizer`` (torch's ``_step_supports_amp_scaling`` protocol), see Note [Loss scaling with
+    sharded grads] in ``grad_scaler``; a stock scaler checked only this rank's grads and is
+    refused."""
+    found_inf = getattr(optimizer, "found_inf", None)
+    if found_inf is None:
+        return None, None
+    if not getattr(optimizer, "_scaled_by_sharded_scaler", False):
+        raise RuntimeError(
+            "ShardingStage1.step: driven by a stock torch.amp.GradScaler, which checks this rank's "
+            "local, unreduced grads for infs, so ranks would skip different steps and their "
+            "scales drift apart. Use sharded_opt.ShardedGradScaler (same API) instead; call "
+            "opt.zero_grad() to discard these grads"
+        )
+    return found_inf, getattr(optimizer, "grad_scale", None)

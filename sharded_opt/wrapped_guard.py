@@ -42,7 +42,8 @@ class WrappedOptimizerGuard:
     save or load its state until :meth:`release` (stepping it is a mistake even after the
     wrapper was dropped: ranks would diverge; its own state is empty, so a checkpoint of it
     would silently hold no moments, and state loaded into it would never be used); forwards
-    its step hooks to the wrapper's ``step()``, see Note [Step hooks].
+    its step hooks to the wrapper's ``step()``, see Note [Step hooks]; refuses params appended
+    to the shared param groups after wrapping.
 
     Args:
         wrapper: the ``ShardingStage1``, held weakly by ``optimizer``.
@@ -65,6 +66,24 @@ class WrappedOptimizerGuard:
         """The hooks on the wrapper, removed with the wrapper's own."""
         optimizer.add_param_group = functools.partial(_refuse_wrapped_add_param_group, type(optimizer))
         self._optimizer_ref = weakref.ref(optimizer)
+        self._num_params_per_group = [len(g["params"]) for g in optimizer.param_groups]
+
+    def check_param_groups_unchanged(self, param_groups: list[dict[str, Any]]) -> None:
+        """Refuse params appended to the group dicts since wrapping (``group["params"].append(p)``
+        goes around ``add_param_group``'s refusal): the layout has no slot for them.
+        ``param_groups`` is the wrapper's list, which holds the wrapped optimizer's dicts."""
+        counts = [len(g["params"]) for g in param_groups]
+        if counts != self._num_params_per_group:
+            raise RuntimeError(
+                f"ShardingStage1.step: the param groups now hold {counts} params but the wrapper laid "
+                f"out {self._num_params_per_group}; params cannot be added after wrapping. Add every "
+                "param group to the torch optimizer first, then wrap it"
+            )
+
+    def stepped(self) -> None:
+        """The wrapper stepped: a scheduler built on the wrapped optimizer checks that its step
+        ran before the scheduler's own."""
+        self.optimizer._opt_called = True
 
     def release(self) -> None:
         """The wrapped optimizer works on its own again (``ShardingStage1.close``)."""

@@ -1,5 +1,6 @@
 """Construction steps of ``ShardingStage1`` (as FSDP2's ``_fsdp_init``): the resolved config,
-the bucket layout and precisions, and the communicator that runs each bucket's collectives."""
+the bucket layout and precisions, the communicator that runs each bucket's collectives, this
+rank's shards and inner optimizer, and the hooks on an attached model."""
 
 from __future__ import annotations
 
@@ -7,17 +8,42 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fusion.bucket_sizing import trainable_bytes
 from fusion.buffers import FlatBuffers
 from fusion.layout import LayoutPlan, ParamSpec, plan_layout
 from sharded_opt.bucket_comm import BucketCommunicator
 from sharded_opt.hybrid_groups import ShardGroups
-from sharded_opt.inner_optimizer import check_steps
+from sharded_opt.inner_optimizer import build_inner_optimizer, check_steps
 from sharded_opt.local_shard import BucketPrecision, resolve_precision
 from sharded_opt.optimizer_needs import OptimizerNeeds
+from sharded_opt.optimizer_shards import OptimizerShards, ParamGroupsOwner
+from sharded_opt.param_guard import ParamGuard
+from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter, register_eager_pre_hook
+from sharded_opt.param_sync import ParamSync, broadcast_from_first_rank, broadcast_model_state, first_rank
 from sharded_opt.strategy import ShardingConfig, Strategy
-from sharded_opt.validation import TORCH_OPTIMIZERS
+from sharded_opt.validation import TORCH_OPTIMIZERS, check_optimizer, check_trained_modules, collect_params
+
+
+def check_locally(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module | None,
+    strategy: Strategy | None,
+    overlap: bool | None,
+    assume_elementwise: bool,
+) -> tuple[ShardingConfig, OptimizerNeeds, list[torch.Tensor], list[ParamSpec]]:
+    """Every check that needs no other rank, run before the first collective so that a refused
+    argument raises at once rather than after (or while waiting in) collectives. Returns the
+    config, what the optimizer class needs, its params and their specs."""
+    config = resolve_config(strategy, overlap)
+    needs = check_optimizer(optimizer, assume_elementwise)
+    check_not_stepped(optimizer)
+    params, specs = collect_params(optimizer)
+    if model is not None:
+        check_trained_modules(model, params)
+    return config, needs, params, specs
 
 
 def resolve_config(strategy: Strategy | None, overlap: bool | None) -> ShardingConfig:
@@ -110,3 +136,91 @@ def build_communicator(
     return BucketCommunicator(
         buffers, world, dist.get_rank(world), dist.get_world_size(world), False, precisions
     )
+
+
+def build_shards(
+    optimizer: torch.optim.Optimizer,
+    owner: ParamGroupsOwner,
+    plan: LayoutPlan,
+    params: list[torch.Tensor],
+    precisions: list[BucketPrecision],
+    config: ShardingConfig,
+    groups: ShardGroups,
+) -> OptimizerShards:
+    """The flat buffers over ``params`` (holding the group's first rank's values on every rank,
+    collective), the communicator, and the wrapped class rebuilt over this rank's shards."""
+    group = groups.world
+    world_size = dist.get_world_size(group)
+    buffers = FlatBuffers(plan, params)
+    broadcast_from_first_rank(buffers, group, world_size)
+    comm = build_communicator(buffers, groups, config, precisions)
+    if optimizer.state:
+        # The class creates state at construction (Adagrad): it exists for every param, frozen
+        # or not, so every bucket needs its pieces now, as the plain optimizer has them.
+        for bucket in plan.buckets:
+            comm.materialize(bucket.index)
+    inner = build_inner_optimizer(optimizer, comm.live_shards())
+    return OptimizerShards(plan, buffers, comm, inner, owner, groups, group, dist.get_rank(group), world_size)
+
+
+class ModelAttacher:
+    """Puts the hooks of an attached model in place (``ShardingStage1.attach``): the per-module
+    waits for the all-gathers (overlap mode, Note [No stale params] in ``param_hooks``), the
+    check of each forward with grad (``ParamGuard.check_before_forward``) and DDP's buffer
+    broadcast; and makes the model start equal on every rank.
+
+    Args:
+        shards: the flat buffers the model's params are views of.
+        param_sync: takes the per-module waits.
+        param_guard: checks each forward and names the model's params in its errors.
+        handles: the wrapper's hook handles, which ``close()`` removes; every hook installed here
+            goes in.
+        config: ``enable_overlap`` (forwards wait per module; otherwise ``step()`` waits for
+            every all-gather) and ``broadcast_buffers`` (before each forward with grad, as DDP).
+    """
+
+    def __init__(
+        self,
+        shards: OptimizerShards,
+        param_sync: ParamSync,
+        param_guard: ParamGuard,
+        handles: list[RemovableHandle],
+        config: ShardingConfig,
+    ) -> None:
+        self._shards = shards
+        self._param_sync = param_sync
+        self._param_guard = param_guard
+        self._handles = handles
+        self._overlap = config.enable_overlap
+        self._broadcast_buffers = config.broadcast_buffers
+        self._buffer_broadcaster: BufferBroadcaster | None = None
+        """Held here: its hook refers to it weakly."""
+
+    def attach(self, model: nn.Module) -> None:
+        """``ShardingStage1.attach``: refuse a second model or one the wrapper cannot serve, then
+        :meth:`install` it."""
+        if self._param_sync.waiter is not None:
+            raise ValueError("ShardingStage1.attach: a model is already attached to this optimizer")
+        check_trained_modules(model, self._shards.buffers.params)
+        self.install(model)
+
+    def install(self, model: nn.Module) -> None:
+        """Install the hooks on ``model`` and broadcast its params and buffers from the first rank
+        (collective); the model was checked (``check_trained_modules``)."""
+        buffers = self._shards.buffers
+        group, world_size = self._shards.process_group, self._shards.world_size
+        waiter = ParamReadyWaiter(model, buffers, self._shards.comm.finish_param_sync)
+        names = {id(param): name for name, param in model.named_parameters()}
+        self._param_guard.param_names = {
+            index: names[id(param)] for index, param in enumerate(buffers.params) if id(param) in names
+        }
+        self._handles.append(register_eager_pre_hook(model, self._param_guard.check_before_forward))
+        broadcast_model_state(model, buffers, group, world_size)
+        if self._broadcast_buffers and world_size > 1 and next(model.buffers(), None) is not None:
+            self._buffer_broadcaster = BufferBroadcaster(model, group, first_rank(group))
+            self._handles += self._buffer_broadcaster.handles
+        if self._overlap:
+            self._param_sync.waiter = waiter
+            self._handles += waiter.handles
+        else:
+            waiter.remove_hooks()
