@@ -11,9 +11,7 @@ import torch
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, load_checkpoint, save_checkpoint
 from tests.dist_helper import run_ranks
-from tests.test_parity import ATOL, RTOL
-from tests.test_state_dict import STEPS_AFTER, STEPS_BEFORE, _sharded_steps
-from tests.training import make_model, make_optimizer
+from tests.training import ATOL, RTOL, STEPS_AFTER, STEPS_BEFORE, _sharded_steps, make_model, make_optimizer
 
 OPTIMIZER = "adamw_groups"
 
@@ -119,7 +117,7 @@ def test_incomplete_checkpoint_is_refused(tmp_path: Path) -> None:
 
 # -- no deprecated ShardedTensor; checkpoints written with it still load ----------------------------
 
-OLD_CHECKPOINT = Path(__file__).parent / "fixtures" / "checkpoint_sharded_tensor_2ranks"
+OLD_CHECKPOINT = Path(__file__).parents[1] / "fixtures" / "checkpoint_sharded_tensor_2ranks"
 """Written on 2 ranks by save_checkpoint as of commit 13a17a4, when state pieces were
 ShardedTensors: ``make_model()``, AdamW with two groups (``make_optimizer("adamw_groups")``),
 ``ShardingConfig(bucket_size_mb=0.001)`` (params cut between the ranks), ``_sharded_steps`` over

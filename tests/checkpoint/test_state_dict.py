@@ -9,14 +9,20 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from sharded_opt import ShardingStage1
 from tests.dist_helper import run_ranks
-from tests.test_parity import ATOL, RTOL
-from tests.training import batch, local_slice, make_model, make_optimizer
-
-STEPS_BEFORE, STEPS_AFTER = 4, 4
+from tests.training import (
+    ATOL,
+    RTOL,
+    STEPS_AFTER,
+    STEPS_BEFORE,
+    _sharded_steps,
+    _to_bytes,
+    batch,
+    make_model,
+    make_optimizer,
+)
 
 
 def _plain_steps(model, optimizer, steps: range) -> None:
@@ -25,23 +31,6 @@ def _plain_steps(model, optimizer, steps: range) -> None:
         inputs, targets = batch(step)
         torch.nn.functional.mse_loss(model(inputs), targets).backward()
         optimizer.step()
-
-
-def _sharded_steps(model, optimizer, steps: range) -> None:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    for step in steps:
-        optimizer.zero_grad()
-        dtype = next(model.parameters()).dtype
-        inputs, targets = (t.to(dtype) for t in batch(step))
-        prediction = model(local_slice(inputs, rank, world_size))
-        torch.nn.functional.mse_loss(prediction, local_slice(targets, rank, world_size)).backward()
-        optimizer.step()
-
-
-def _to_bytes(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def _from_bytes(data: bytes):

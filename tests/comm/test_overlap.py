@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
 from tests.dist_helper import run_ranks
-from tests.test_parity import ATOL, RTOL
 from tests.training import (
+    ATOL,
+    RTOL,
     RunConfig,
     batch,
     local_slice,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
-from tests.dist_helper import run_ranks
+from tests.dist_helper import run_jobs, run_ranks
 
 ONE_PARAM_PER_BUCKET_MB = 0.0001
 """Smaller than any param of :class:`_Net`: every param gets a bucket of its own."""
@@ -157,10 +157,6 @@ TRAIN_CASES = {
 }
 
 
-def _run_jobs(jobs: list[tuple[str, object, tuple]]) -> dict[str, object]:
-    return {name: fn(*args) for name, fn, args in jobs}
-
-
 @pytest.fixture(scope="module")
 def on_two_ranks() -> dict[str, list]:
     jobs: list[tuple[str, object, tuple]] = [
@@ -169,7 +165,7 @@ def on_two_ranks() -> dict[str, list]:
         ("flag-groups", _flag_groups, ()),
     ]
     jobs += [(name, _train, args) for name, args in TRAIN_CASES.items()]
-    per_rank = run_ranks(_run_jobs, 2, jobs)
+    per_rank = run_ranks(run_jobs, 2, jobs)
     return {name: [results[name] for results in per_rank] for name, _, _ in jobs}
 
 

@@ -33,15 +33,18 @@ from tests.differential import (
     StepSpec,
     _assert_params_close,
     check_result,
+    draw_programs,
     run_programs,
 )
 from tests.dist_helper import run_ranks
-from tests.test_differential import draw_programs
-from tests.test_parity import ATOL, RTOL
-from tests.test_state_dict import STEPS_AFTER, STEPS_BEFORE, _sharded_steps
 from tests.training import (
+    ATOL,
     GLOBAL_BATCH,
+    RTOL,
+    STEPS_AFTER,
+    STEPS_BEFORE,
     RunConfig,
+    _sharded_steps,
     batch,
     local_slice,
     make_model,

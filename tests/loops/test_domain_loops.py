@@ -1,14 +1,13 @@
-"""Training loops from other domains, written the way their users write them (a third round
-after ``tests/test_user_loops.py`` and ``tests/test_user_loops_2.py``, whose harness this module
-reuses): vision (a ResNet-style CNN with BatchNorm, ``channels_last``, bf16 autocast, mixup,
-label smoothing and SWA; ``channels_last`` after wrapping; adversarial training; pruning), self-
-supervised and contrastive learning (a MoCo/BYOL momentum encoder, DINO, SimCLR over the
-differentiable ``all_gather``, OpenCLIP's gather without grad), sequences (an LSTM language
-model with packed sequences, a tied decoder and truncated BPTT; an RNN made orthogonal after
-wrapping), reinforcement learning (actor-critic with one or two optimizers and two backwards of
-one graph, target networks, PPO), ``torch.func`` (MAML, Reptile, ``functional_call`` and
-per-sample grads right after ``step()``, an ensemble from ``stack_module_state``) and
-distillation from a frozen teacher.
+"""Training loops from other domains, written the way their users write them (the third round of
+user loops, on the harness of ``tests/user_loops.py``): vision (a ResNet-style CNN with BatchNorm,
+``channels_last``, bf16 autocast, mixup, label smoothing and SWA; ``channels_last`` after wrapping;
+adversarial training; pruning), self-supervised and contrastive learning (a MoCo/BYOL momentum
+encoder, DINO, SimCLR over the differentiable ``all_gather``, OpenCLIP's gather without grad),
+sequences (an LSTM language model with packed sequences, a tied decoder and truncated BPTT; an RNN
+made orthogonal after wrapping), reinforcement learning (actor-critic with one or two optimizers
+and two backwards of one graph, target networks, PPO), ``torch.func`` (MAML, Reptile,
+``functional_call`` and per-sample grads right after ``step()``, an ensemble from
+``stack_module_state``) and distillation from a frozen teacher.
 
 Each loop runs plain (one process, every slice), sharded sync, sharded overlap with the model
 attached, and sharded overlap without a model; all loops of a world size run in one spawn.
@@ -33,26 +32,21 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.optim import swa_utils
 
 from sharded_opt import ShardingStage1, collectives
-from tests.test_ddp_habits import _late_all_gather
-from tests.test_user_loops import (
+from tests.differential import _average
+from tests.user_loops import (
     SLICE,
+    BufferLoop,
     Loop,
-    _average,
+    ModelFreeLoop,
+    _average_grads,
+    _late_all_gather,
     _snapshot,
     assert_matches_plain,
     loop_outcome_fixtures,
     run_loop_jobs,
 )
-from tests.test_user_loops_2 import BufferLoop
 
 CLASSES = 5
-
-
-class ModelFreeLoop(BufferLoop):
-    """A :class:`BufferLoop` whose wrapper is built without ``model=`` (waits in ``step()``)."""
-
-    def wrap(self, optimizer: torch.optim.Optimizer, model: nn.Module | None) -> torch.optim.Optimizer:
-        return super().wrap(optimizer, None)
 
 
 def _modes(
@@ -292,13 +286,6 @@ def _rollout(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     generator = torch.Generator().manual_seed(10 * step + index)
     obs = torch.randn(SLICE, 6, generator=generator)
     return obs, torch.randint(0, 4, (SLICE,), generator=generator), torch.randn(SLICE, generator=generator)
-
-
-def _average_grads(params: list[nn.Parameter]) -> None:
-    for p in params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
 
 
 def actor_critic_loop(loop: Loop, two_backwards: bool) -> dict:

@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` models trained the way their users write loops (red-team round
-three, after ``tests/test_user_loops.py`` and ``tests/test_user_loops_2.py``, whose
-:class:`Loop` harness, job runner and assertion this module reuses).
+three, on the :class:`~tests.user_loops.Loop` harness, job runner and assertion of
+``tests/user_loops.py``).
 
 Tiny models built from configs (nothing is downloaded; ``from_pretrained`` only reads a folder
 that ``save_pretrained`` wrote, on rank 0, as it does under a process group): GPT-2 (tied LM
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sharded_opt import ShardingStage1
-from tests.test_user_loops import (
+from tests.user_loops import (
     SLICE,
     Loop,
     _both,

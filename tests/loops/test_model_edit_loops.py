@@ -1,10 +1,10 @@
-"""More training loops written the way users write them (a second round after
-``tests/test_user_loops.py``, whose :class:`Loop` harness this module reuses): copies of the
-wrapped model, weights rewritten after wrapping (``p.data = t`` included), parametrizations,
-attention and recurrent models, LoRA, two optimizers, closures, clipping by value,
-accumulation without ``no_sync``, gradient penalties, activation checkpointing with frozen
-layers, and resuming from a saved file (also on one more rank, and from a plain torch
-optimizer's state dict).
+"""Training loops that edit the model or drive the optimizer beyond the plain loop, written the way
+users write them (the second round of user loops, on the :class:`~tests.user_loops.Loop` harness of
+``tests/user_loops.py``): copies of the wrapped model, weights rewritten after wrapping
+(``p.data = t`` included), parametrizations, attention and recurrent models, LoRA, two
+optimizers, closures, clipping by value, accumulation without ``no_sync``, gradient penalties,
+activation checkpointing with frozen layers, and resuming from a saved file (also on one more
+rank, and from a plain torch optimizer's state dict).
 
 Each loop runs plain (one process, every slice), sharded sync and sharded overlap on every rank;
 all loops of a world size run in one spawn. Loops that touch params between ``step()`` and the
@@ -30,14 +30,14 @@ from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
-from tests.test_ddp_habits import _late_all_gather
-from tests.test_user_loops import (
+from tests.user_loops import (
     SLICE,
+    BufferLoop,
     Loop,
     SmallNet,
-    _add,
-    _average,
+    _average_grads,
     _both,
+    _late_all_gather,
     _late_gathers,
     _mse,
     _snapshot,
@@ -46,59 +46,6 @@ from tests.test_user_loops import (
     loop_outcome_fixtures,
     run_loop_jobs,
 )
-
-
-class BufferLoop(Loop):
-    """:class:`Loop` whose plain run treats module buffers as DDP does (each slice's forward
-    starts from the buffers rank 0 ended the previous forward with), and whose backward takes
-    ``inputs=`` as ``Tensor.backward`` does."""
-
-    def backward(  # type: ignore[override]
-        self,
-        opt: torch.optim.Optimizer,
-        params: list[nn.Parameter],
-        loss_of: Callable[[int], torch.Tensor],
-        no_sync: bool = False,
-        retain_graph: bool = False,
-        inputs: list[torch.Tensor] | None = None,
-        module: nn.Module | None = None,
-    ) -> None:
-        self._params = params
-        if self.sharded:
-            with opt.no_sync() if no_sync else contextlib.nullcontext():
-                loss_of(self.rank).backward(retain_graph=retain_graph, inputs=inputs)
-            return
-        buffers = [] if module is None else list(module.buffers())
-        start = [b.clone() for b in buffers]
-        after_first: list[torch.Tensor] = []
-        for index in range(self.world_size):
-            with torch.no_grad():
-                for b, s in zip(buffers, start, strict=True):
-                    b.copy_(s)
-            for p in params:
-                p.grad = None
-            loss_of(index).backward(retain_graph=retain_graph, inputs=inputs)
-            if index == 0:
-                after_first = [b.clone() for b in buffers]
-            sums = self._sums.setdefault(index, [None] * len(params))
-            self._sums[index] = [_add(s, p.grad) for s, p in zip(sums, params, strict=True)]
-        with torch.no_grad():
-            for b, first in zip(buffers, after_first, strict=True):
-                b.copy_(first)
-        for i, p in enumerate(params):
-            p.grad = _average([self._sums[r][i] for r in range(self.world_size)], p.dtype, self.world_size)
-
-    def zero_grad(self, opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        """Zero ``opt``'s grads; in the plain run also only its params' per-slice sums (another
-        optimizer over other params of the model keeps accumulating)."""
-        opt.zero_grad(set_to_none=set_to_none)
-        if self.sharded or not self._sums:
-            return
-        own = {id(p) for group in opt.param_groups for p in group["params"]}
-        for sums in self._sums.values():
-            for i, p in enumerate(self._params):
-                if id(p) in own:
-                    sums[i] = None if set_to_none or sums[i] is None else torch.zeros_like(sums[i])
 
 
 def _buffer_loops(loop_fn: Callable[[Loop], object], late_gathers: bool = False) -> dict[str, object]:
@@ -494,13 +441,6 @@ def lora_loop(loop: Loop) -> dict:
 
 
 # -- two optimizers, closures ----------------------------------------------------------------------
-
-
-def _average_grads(params: list[nn.Parameter]) -> None:
-    for p in params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
 
 
 def two_optimizers_loop(loop: Loop, head_wrapped: bool) -> dict:

@@ -1,121 +1,46 @@
-"""Training loops written the way users write them, through ShardingStage1 on 2 gloo ranks (sync
-and overlap) and through the plain torch optimizer on one process over the full batch.
+"""Common training recipes written the way users write them (the first round of user loops): a
+nanoGPT-style causal LM (decay groups, accumulation, clipping, autocast; one bucket, activation
+checkpointing both ways), LM fine-tuning with gradual unfreezing, GANs (the DCGAN tutorial among
+them), an EMA (``AveragedModel`` and by hand) right after ``step()``, ``torch.compile`` after
+eager steps, steps inside ``with torch.device(...)``, reads of params that no module hook covers,
+a padded encoder evaluated right after each step, schedulers built before or after wrapping, and
+optimizer flags. Each runs through ShardingStage1 on 2 gloo ranks (sync and overlap; a few on 3
+ranks too) and through the plain torch optimizer on one process over the full batch.
 
-Each loop is written once against a :class:`Loop`, which is either sharded (this rank's slice of
-every batch, the wrapper) or plain (every slice in turn, its grads averaged in rank order as the
-wrapper's reduction sums them, see ``tests/differential.py``). Both runs happen in every rank, and
-all loops of the module run in one spawn. The comparison is bitwise where nothing but the
+Each loop is written once against the :class:`~tests.user_loops.Loop` harness of
+``tests/user_loops.py`` (sharded, or plain over every slice with grads averaged as the reduction
+does); all loops of the module run in one spawn. The comparison is bitwise where nothing but the
 averaging differs; the global norm of ``clip_grad_norm_`` sums per shard, so clipped loops use the
-fp32 bound of ``tests/test_differential.py``.
+fp32 bound of ``tests/parity/test_differential.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import traceback
 from collections.abc import Callable
-from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
-from tests.differential import _average
-from tests.dist_helper import run_ranks
-from tests.test_ddp_habits import _late_all_gather
+from sharded_opt import ShardingStage1
+from tests.user_loops import (
+    SLICE,
+    Loop,
+    SmallNet,
+    _both,
+    _late_gathers,
+    _mse,
+    _snapshot,
+    _xy,
+    assert_matches_plain,
+    loop_outcome_fixtures,
+    run_loop_jobs,
+)
 
-FP32_TOLERANCE = {"rtol": 1e-6, "atol": 1e-7}
-SLICE = 4
-"""Samples per rank and batch."""
 VOCAB, CONTEXT, WIDTH = 17, 6, 16
-
-
-class Loop:
-    """One run of a loop: ``sharded`` (this rank's slice, the wrapper) or plain (every slice)."""
-
-    def __init__(self, sharded: bool, overlap: bool, bucket_size_mb: float | None = 0.002) -> None:
-        self.sharded = sharded
-        self.overlap = overlap
-        self.bucket_size_mb = bucket_size_mb
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self._sums: dict[int, list[torch.Tensor | None]] = {}
-
-    def slices(self) -> list[int]:
-        return [self.rank] if self.sharded else list(range(self.world_size))
-
-    def wrap(self, optimizer: torch.optim.Optimizer, model: nn.Module | None) -> torch.optim.Optimizer:
-        if not self.sharded:
-            return optimizer
-        strategy = Strategy(sharding=ShardingConfig(bucket_size_mb=self.bucket_size_mb))
-        return ShardingStage1(optimizer, overlap=self.overlap, strategy=strategy, model=model)
-
-    def backward(
-        self,
-        opt: torch.optim.Optimizer,
-        params: list[nn.Parameter],
-        loss_of: Callable[[int], torch.Tensor],
-        no_sync: bool = False,
-        retain_graph: bool = False,
-    ) -> None:
-        """Backward of ``loss_of(slice)``: the own slice when sharded; every slice when plain,
-        each slice's grads summed over micro-batches and averaged over slices in rank order."""
-        if self.sharded:
-            with opt.no_sync() if no_sync else contextlib.nullcontext():
-                loss_of(self.rank).backward(retain_graph=retain_graph)
-            return
-        for index in range(self.world_size):
-            for p in params:
-                p.grad = None
-            loss_of(index).backward(retain_graph=retain_graph)
-            sums = self._sums.setdefault(index, [None] * len(params))
-            self._sums[index] = [_add(s, p.grad) for s, p in zip(sums, params, strict=True)]
-        for i, p in enumerate(params):
-            p.grad = _average([self._sums[r][i] for r in range(self.world_size)], p.dtype, self.world_size)
-
-    def zero_grad(self, opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        opt.zero_grad(set_to_none=set_to_none)
-        if not self.sharded:
-            if set_to_none:
-                self._sums = {}
-            else:
-                self._sums = {r: [_zeros_like(s) for s in sums] for r, sums in self._sums.items()}
-
-    def clip(self, opt: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        if self.sharded:
-            return opt.clip_grad_norm_(max_norm)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-    def sync(self, opt: torch.optim.Optimizer) -> None:
-        if self.sharded:
-            opt.sync_params()
-
-
-def _add(total: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor | None:
-    if total is None or value is None:
-        return value if total is None else total
-    return total + value.clone()
-
-
-def _zeros_like(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else torch.zeros_like(tensor)
-
-
-def _snapshot(module: nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in module.parameters()]
-
-
-def _both(loop_fn: Callable[[Loop], object], **kwargs) -> dict[str, object]:
-    """``loop_fn`` plain, sharded sync and sharded overlap on this rank."""
-    return {
-        "plain": loop_fn(Loop(False, False, **kwargs)),
-        "sync": loop_fn(Loop(True, False, **kwargs)),
-        "overlap": loop_fn(Loop(True, True, **kwargs)),
-    }
 
 
 # -- a small Hugging Face-style causal LM ----------------------------------------------------
@@ -351,28 +276,6 @@ def dcgan_tutorial_loop(loop: Loop) -> dict:
 # -- EMA -----------------------------------------------------------------------------------------
 
 
-class SmallNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = nn.Linear(6, 12)
-        self.norm = nn.BatchNorm1d(12)
-        self.last = nn.Linear(12, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.last(torch.relu(self.norm(self.first(x))))
-
-
-def _xy(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(10 * step + index)
-    return torch.randn(SLICE, 6, generator=generator), torch.randn(SLICE, 2, generator=generator)
-
-
-def _mse(model: nn.Module, step: int) -> Callable[[int], torch.Tensor]:
-    """The loss of slice ``index`` of batch ``step``."""
-    return lambda index: F.mse_loss(model(_xy(step, index)[0]), _xy(step, index)[1])
-
-
 def ema_loop(loop: Loop) -> dict:
     """What users do right after ``step()``, without ``opt.sync_params()``: update an
     ``AveragedModel`` EMA and a hand-written one, log weight norms and per-sample input norms
@@ -536,11 +439,6 @@ def padded_encoder_loop(loop: Loop) -> dict:
     return {"params": _snapshot(model), "evals": evals}
 
 
-def _late_gathers(loop_fn: Callable[[Loop], object], **kwargs) -> dict[str, object]:
-    with mock.patch.object(collectives, "all_gather", _late_all_gather):
-        return _both(loop_fn, **kwargs)
-
-
 # -- schedulers --------------------------------------------------------------------------------
 
 
@@ -650,38 +548,6 @@ THREE_RANK_JOBS = ("nanogpt", "finetune", "dcgan_tutorial", "ema")
 """Loops run on 3 ranks too: shards then split params and groups at other offsets."""
 
 
-def run_loop_jobs(jobs: dict[str, Callable[[], object]], names: tuple[str, ...] | None) -> dict[str, object]:
-    """Run ``jobs`` (only ``names`` if given) on this rank; a job that raises is reported by
-    its test as the error and its traceback, the others still run."""
-    results: dict[str, object] = {}
-    for name, job in jobs.items():
-        if names is not None and name not in names:
-            continue
-        try:
-            results[name] = job()
-        except Exception as error:  # noqa: BLE001 - reported per loop by its test
-            results[name] = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
-    return results
-
-
-def loop_outcome_fixtures(
-    run_all: Callable[..., dict[str, object]], three_rank_jobs: tuple[str, ...]
-) -> tuple[Callable[[], list[dict[str, object]]], Callable[[], list[dict[str, object]]]]:
-    """A user-loop module's two module-scoped fixtures, ``outcomes`` and ``outcomes_on_three``:
-    every job of ``run_all`` (a module-level function, so ranks can import it) on 2 ranks in one
-    spawn, and ``three_rank_jobs`` on 3 ranks in another."""
-
-    @pytest.fixture(scope="module")
-    def outcomes() -> list[dict[str, object]]:
-        return run_ranks(run_all, 2)
-
-    @pytest.fixture(scope="module")
-    def outcomes_on_three() -> list[dict[str, object]]:
-        return run_ranks(run_all, 3, three_rank_jobs)
-
-    return outcomes, outcomes_on_three
-
-
 def _run_all(names: tuple[str, ...] | None = None) -> dict[str, object]:
     return run_loop_jobs(_jobs(), names)
 
@@ -697,17 +563,6 @@ def test_user_loop_matches_plain_torch(outcomes, name: str) -> None:
 @pytest.mark.parametrize("name", THREE_RANK_JOBS)
 def test_user_loop_on_three_ranks_matches_plain_torch(outcomes_on_three, name: str) -> None:
     assert_matches_plain(outcomes_on_three, name)
-
-
-def assert_matches_plain(outcomes: list[dict[str, object]], name: str) -> None:
-    for rank, results in enumerate(outcomes):
-        result = results[name]
-        assert not isinstance(result, str), f"rank {rank}: {result}"
-        for mode in [m for m in result if m != "plain"]:
-            where = f"rank {rank}, {mode}"
-            torch.testing.assert_close(
-                result[mode], result["plain"], **FP32_TOLERANCE, msg=lambda m, where=where: f"{where}: {m}"
-            )
 
 
 def test_add_param_group_for_gradual_unfreezing_names_the_way(single_rank_group) -> None:

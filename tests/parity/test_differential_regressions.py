@@ -1,5 +1,5 @@
 """Programs the differential fuzzer (``tests/fuzz_differential.py``) found to differ from plain
-torch, shrunk to their smallest form, plus the habits it draws beyond ``tests/test_differential.py``
+torch, shrunk to their smallest form, plus the habits it draws beyond ``tests/parity/test_differential.py``
 written out once each, so they are checked on every run whatever hypothesis draws.
 
 Each case runs sync and overlap on 2 and 3 ranks (and hybrid on 4 where it says so); all cases

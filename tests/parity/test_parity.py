@@ -14,9 +14,7 @@ import pytest
 import torch
 
 from tests.dist_helper import run_ranks
-from tests.training import RunConfig, train_many, train_reference
-
-RTOL, ATOL = 1e-6, 1e-7
+from tests.training import ATOL, RTOL, RunConfig, train_many, train_reference
 
 CONFIGS = {
     "sgd_momentum_wd": RunConfig(optimizer="sgd"),

@@ -96,7 +96,7 @@ def test_bytes_equal_the_wrappers_report(world_size: int) -> None:
     for index, case in enumerate(cases):
         cluster = Cluster(world_size=world_size, ranks_per_node=world_size, node_link=FAST_LINK)
         plan = plan_training(
-            f"tests.test_plan:{case.factory}",
+            f"tests.plan.test_plan:{case.factory}",
             case.optimizer,
             cluster=cluster,
             compute=COMPUTE,
@@ -112,7 +112,7 @@ def test_bytes_equal_the_wrappers_report(world_size: int) -> None:
 
 def _step_ms(gbps: float, mode: str, world_size: int = 2) -> float:
     cluster = Cluster(world_size=world_size, ranks_per_node=world_size, node_link=LinkModel.stated(gbps, 20))
-    plan = plan_training("tests.test_plan:odd_net", "AdamW", cluster=cluster, compute=COMPUTE)
+    plan = plan_training("tests.plan.test_plan:odd_net", "AdamW", cluster=cluster, compute=COMPUTE)
     return next(m for m in plan.modes if m.mode == mode).step_s * 1e3
 
 
@@ -155,7 +155,7 @@ def test_sync_is_compute_then_every_collective() -> None:
 def test_link_between_nodes_carries_hybrid_replicas_only() -> None:
     slow = LinkModel.stated(0.1, 20)
     cluster = Cluster(world_size=4, ranks_per_node=2, node_link=FAST_LINK, link=slow)
-    plan = plan_training("tests.test_plan:odd_net", "AdamW", cluster=cluster, compute=COMPUTE)
+    plan = plan_training("tests.plan.test_plan:odd_net", "AdamW", cluster=cluster, compute=COMPUTE)
     by_mode = {m.label: m for m in plan.modes}
     # 2 x 2: only the 1/2 shard crosses between nodes, once (all-reduce) instead of twice; each
     # rank holds state / 2 instead of state / 4 (up to where the shards cut the padding)
@@ -166,7 +166,7 @@ def test_link_between_nodes_carries_hybrid_replicas_only() -> None:
 
 def test_recommends_the_fastest_unless_a_leaner_mode_ties() -> None:
     cluster = Cluster(world_size=2, ranks_per_node=2, node_link=LinkModel.stated(0.05, 20))
-    plan = plan_training("tests.test_plan:odd_net", "AdamW", cluster=cluster, compute=COMPUTE)
+    plan = plan_training("tests.plan.test_plan:odd_net", "AdamW", cluster=cluster, compute=COMPUTE)
     fastest = min(m.step_s for m in plan.modes)
     assert plan.recommended.step_s <= fastest * 1.03
     assert all(
@@ -203,7 +203,7 @@ def test_cli_calibrates(capsys: pytest.CaptureFixture[str]) -> None:
             ["--model", "no_such_module:factory"],
             "could not import the model factory's module 'no_such_module'",
         ),
-        (["--model", "tests.test_plan:no_such_factory"], "to have a callable 'no_such_factory'"),
+        (["--model", "tests.plan.test_plan:no_such_factory"], "to have a callable 'no_such_factory'"),
         (["--model", "odd_net:"], "plan expects the model factory as 'module:callable' but got 'odd_net:'"),
         (["--model", "gpt9"], "plan expects model as 'module:callable' or one of"),
         (["--optimizer-kwargs", '{"lr": -1}'], "plan could not build AdamW with {'lr': -1}"),

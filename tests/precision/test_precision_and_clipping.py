@@ -11,8 +11,7 @@ import torch.distributed as dist
 
 from sharded_opt import ShardingStage1
 from tests.dist_helper import run_ranks
-from tests.test_parity import ATOL, RTOL
-from tests.training import GLOBAL_BATCH, RunConfig, make_model, train_many, train_reference
+from tests.training import ATOL, GLOBAL_BATCH, RTOL, RunConfig, make_model, train_many, train_reference
 
 CLIP_CONFIGS = {
     "l2_sync": RunConfig(optimizer="adamw", clip_norm=0.05),

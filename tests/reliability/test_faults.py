@@ -5,7 +5,7 @@ Each fault is injected inside a spawned rank, the way it happens in production: 
 itself SIGKILL from inside its training loop (or from inside a patched checkpoint writer), so
 nothing in the rank gets a chance to clean up.
 
-Run: ``.venv/bin/python -m pytest tests/test_faults.py`` (about a minute on two cores).
+Run: ``.venv/bin/python -m pytest tests/reliability/test_faults.py`` (about a minute on two cores).
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ def _resume_and_run_uninterrupted(folder: str, overlap: bool) -> dict:
 
 def test_resume_after_crash_is_bitwise_uninterrupted(tmp_path: Path) -> None:
     """In overlap mode with the model attached, where all-gathers may still be in flight when
-    the rank dies (tests/test_checkpoint.py resumes both modes after a clean stop)."""
+    the rank dies (tests/checkpoint/test_checkpoint.py resumes both modes after a clean stop)."""
     overlap = True
     rng = random.Random("resume")
     victim, fault = rng.randrange(2), (rng.randrange(CHECKPOINT_EVERY + 1, STEPS - 1), rng.choice(PHASES))

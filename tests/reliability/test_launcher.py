@@ -348,7 +348,7 @@ def _refused_step(point_to_point: bool) -> None:
 _SPAWN_A_REFUSED_STEP = """
 import sys
 from sharded_opt import launcher
-from tests.test_launcher import _refused_step
+from tests.reliability.test_launcher import _refused_step
 
 measure = launcher.exit_codes_after_first_failure
 def exit_codes(processes, grace_s):
@@ -369,7 +369,7 @@ def test_a_refused_step_exits_with_its_error_and_nothing_aborts(path: str) -> No
         [sys.executable, "-c", _SPAWN_A_REFUSED_STEP, path],
         capture_output=True,
         text=True,
-        cwd=Path(__file__).parent.parent,
+        cwd=Path(__file__).parents[2],
         timeout=600,
     )
     assert "terminate called" not in run.stderr and "Fatal Python error" not in run.stderr, run.stderr

@@ -23,8 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
 from tests.dist_helper import run_ranks
-from tests.test_parity import ATOL, RTOL
-from tests.training import IN_FEATURES, batch, local_slice, make_model
+from tests.training import ATOL, IN_FEATURES, RTOL, batch, local_slice, make_model
+from tests.user_loops import _late_all_gather
 
 STEPS = 3
 
@@ -199,25 +199,6 @@ def _copies() -> dict:
 
 
 # -- 5. writes right after step() -------------------------------------------------------------
-
-
-class _LandsOnWait:
-    """An all-gather whose result reaches the params only when waited for: the latest a real
-    all-gather may land, so a write racing with it loses deterministically."""
-
-    def __init__(self, work, staging: torch.Tensor, output: torch.Tensor) -> None:
-        self._work, self._staging, self._output = work, staging, output
-
-    def wait(self) -> bool:
-        self._work.wait()
-        self._output.copy_(self._staging)
-        return True
-
-
-def _late_all_gather(output, input, group, async_op, point_to_point=False):
-    staging = torch.empty_like(output)
-    work = collectives._all_gather(staging, input.clone(), group=group, async_op=True)
-    return _LandsOnWait(work, staging, output)
 
 
 def _writes_after_step() -> dict:

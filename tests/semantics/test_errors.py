@@ -108,7 +108,7 @@ def _param_data_resized() -> None:
 
 def _param_data_resized_then_forward() -> None:
     """With a model attached the training forward refuses, before backward would fail on
-    torch's shape mismatch (resize_token_embeddings after wrapping); see test_hf_models."""
+    torch's shape mismatch (resize_token_embeddings after wrapping); see tests/loops/test_hf_models.py."""
     model = make_model()
     ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
     model.fc1.weight.data = torch.zeros(3, 3)
@@ -292,7 +292,7 @@ def _ranks_with_different_models() -> str:
 def _second_backward_outside_no_sync() -> str:
     model = make_model()
     # Plain data parallel: the all-reduce averages the grad buffers in place, so a second
-    # backward cannot be reduced again (sharded, it can: tests/test_user_loops.py).
+    # backward cannot be reduced again (sharded, it can: tests/loops/test_recipe_loops.py).
     data_parallel = Strategy(sharding=ShardingConfig(enable=False))
     optimizer = ShardingStage1(
         torch.optim.SGD(model.parameters(), lr=0.1), overlap=True, strategy=data_parallel

@@ -1,12 +1,12 @@
-"""The ``torch.optim`` surface through ShardingStage1 (a fifth round after
-``tests/test_user_loops.py``, whose :class:`Loop` harness, job runner and fixture factory this
-module reuses): every optimizer class the wrapper accepts with the flags users set (drawn by
-hypothesis, one (class, flags) combination per example), schedulers that move more than the
+"""The ``torch.optim`` surface through ShardingStage1 (a fifth round of user loops, on the
+:class:`~tests.user_loops.Loop` harness, job runner and fixture factory of
+``tests/user_loops.py``): every optimizer class the wrapper accepts with the flags users set (drawn
+by hypothesis, one (class, flags) combination per example), schedulers that move more than the
 learning rate (momentum, betas), built before or after wrapping or on the torch optimizer after
-wrapping, resumed in the middle of their schedule, and the warnings they give; param-group
-habits (hand edits of hyperparameters, groups without grads, a 0-dim param in a group of its
-own, closures, state dicts right after construction, named params), and the rest of the
-optimizer API users touch (state-dict hooks, resuming into a torch optimizer before wrapping).
+wrapping, resumed in the middle of their schedule, and the warnings they give; param-group habits
+(hand edits of hyperparameters, groups without grads, a 0-dim param in a group of its own,
+closures, state dicts right after construction, named params), and the rest of the optimizer API
+users touch (state-dict hooks, resuming into a torch optimizer before wrapping).
 
 Each loop runs plain (one process, every slice), sharded sync and sharded overlap with the model
 attached, and (except the optimizer and scheduler loops, whose step is the same either way)
@@ -33,15 +33,15 @@ from torch.optim import lr_scheduler
 from torch.optim.swa_utils import SWALR
 
 from sharded_opt import ShardingStage1
-from tests.test_user_loops import (
+from tests.user_loops import (
     FP32_TOLERANCE,
     SLICE,
     Loop,
+    ModelFreeLoop,
     _snapshot,
     loop_outcome_fixtures,
     run_loop_jobs,
 )
-from tests.test_user_loops_3 import ModelFreeLoop
 
 STEPS = 4
 
@@ -239,7 +239,7 @@ def optimizer_programs(draw, name: str) -> dict[str, Any]:
 
 def draw_optimizer_programs(per_class: int) -> list[dict[str, Any]]:
     """``per_class`` distinct programs of every class, drawn from a fixed seed (see
-    ``tests/test_differential.py`` for why drawing happens once, outside the ranks)."""
+    ``tests/parity/test_differential.py`` for why drawing happens once, outside the ranks)."""
     drawn: list[dict[str, Any]] = []
     for name in sorted(FLAGS):
         of_class: list[dict[str, Any]] = []

@@ -12,8 +12,8 @@ params, params sharing memory, a scripted ``model=``) or at the step (a cast mod
 scaled without a master), with the fix in the message.
 
 Each loop runs plain (one process, every slice), sharded sync, sharded overlap with the model
-attached and sharded overlap without a model (the harness of ``tests/test_user_loops_3.py``),
-with all-gathers that land only when waited for; all loops of a world size run in one spawn.
+attached and sharded overlap without a model (the harness of ``tests/user_loops.py``), with
+all-gathers that land only when waited for; all loops of a world size run in one spawn.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from torch.nn.utils import parametrizations, parametrize
 from torch.utils.checkpoint import checkpoint_sequential
 
 from sharded_opt import ShardedGradScaler, ShardingConfig, ShardingStage1, Strategy, collectives
-from tests.test_ddp_habits import _late_all_gather
-from tests.test_user_loops import (
+from tests.differential import _average
+from tests.user_loops import (
     SLICE,
+    BufferLoop,
     Loop,
     SmallNet,
-    _average,
+    _late_all_gather,
     _mse,
     _snapshot,
     _xy,
@@ -43,7 +44,6 @@ from tests.test_user_loops import (
     loop_outcome_fixtures,
     run_loop_jobs,
 )
-from tests.test_user_loops_2 import BufferLoop
 
 
 class CastLoop(BufferLoop):

@@ -15,7 +15,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, load_checkpoint, save_checkpoint
-from tests.dist_helper import run_ranks
+from tests.dist_helper import run_jobs, run_ranks
+from tests.training import _to_bytes
 
 SMALL_BUCKETS = Strategy(sharding=ShardingConfig(bucket_size_mb=0.0005))
 
@@ -76,10 +77,6 @@ def _train_plain(make_optimizer, steps: int, before_step=None):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _run_jobs(jobs: list[tuple[str, object, tuple]]) -> dict[str, object]:
-    return {name: fn(*args) for name, fn, args in jobs}
-
-
 @pytest.fixture(scope="module")
 def on_two_ranks(tmp_path_factory) -> dict[str, list]:
     """Every multi-rank habit of this file in one 2-rank job (starting ranks costs seconds);
@@ -103,7 +100,7 @@ def on_two_ranks(tmp_path_factory) -> dict[str, list]:
     for overlap in (False, True):
         jobs.append((f"step_hooks-{overlap}", _ema_by_step_hooks, (overlap,)))
         jobs.append((f"params_outside_model-{overlap}", _multitask_with_loss_weights, (overlap,)))
-    per_rank = run_ranks(_run_jobs, 2, jobs)
+    per_rank = run_ranks(run_jobs, 2, jobs)
     return {name: [results[name] for results in per_rank] for name, _, _ in jobs}
 
 
@@ -173,12 +170,6 @@ def _resume_from_plain_state(plain_state: bytes, plain_params: bytes) -> list:
     model(_inputs(9, rank, world_size)).square().mean().backward()
     opt.step()
     return steps, [p.detach().clone() for p in model.parameters()]
-
-
-def _to_bytes(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def _plain_run_with_different_step_counts() -> tuple[bytes, bytes, list[int], list[torch.Tensor]]:
