@@ -20,6 +20,9 @@ reference on the whole batch in the same process (so state dicts can cross betwe
 The reference computes each slice's grads separately and averages them in rank order, the order
 the reduction sums them in, so that what the comparison sees is the optimizer's semantics, not
 a different rounding of the batch mean.
+
+The module ends with the hypothesis strategies that draw programs (:func:`programs`,
+:func:`draw_programs`), shared by the differential tests and ``python -m tests.fuzz_differential``.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import hypothesis
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -780,7 +786,7 @@ def run_programs(programs: list[Program]) -> list[dict]:
 
 FP32_TOLERANCE = {"rtol": 1e-6, "atol": 1e-7}
 BF16_TOLERANCE = {"rtol": 2**-7, "atol": 1e-5}
-"""See the tolerance paragraph of ``tests/test_differential.py``."""
+"""See the tolerance paragraph of ``tests/parity/test_differential.py``."""
 
 
 def check_result(program: Program, result: dict, where: str) -> None:
@@ -867,3 +873,141 @@ def _assert_states_close(got: dict, expected: dict, where: str, ignored: tuple[s
         assert {k: v for k, v in mine.items() if k not in skipped} == {
             k: v for k, v in theirs.items() if k not in skipped
         }, where
+
+
+# -- drawing programs (hypothesis) ------------------------------------------------------------
+
+kernels = st.sampled_from(
+    [
+        ("default", "default"),
+        ("default", "fused"),
+        ("foreach", "default"),
+        ("default", "default"),
+        ("fused", "fused"),
+        ("default", "foreach"),
+        ("default", "default"),
+        ("fused", "default"),
+        ("foreach", "foreach"),
+    ]
+)
+"""(wrapped, plain): mostly the same, or a foreach/fused torch optimizer's state dicts loaded
+into the wrapper over default kernels and the other way round (``Program.kernels``)."""
+shapes = st.one_of(st.just(()), st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple))
+frozen_layers = st.lists(st.sampled_from(LAYERS), max_size=2, unique=True).map(tuple)
+
+steps = st.builds(
+    StepSpec,
+    frozen=frozen_layers,
+    expert_ranks=st.sampled_from(["all", "none", "some"]),
+    micro_batches=st.integers(1, 2),
+    zero_grad=st.sampled_from(["optimizer", "optimizer_keep", "model", "optimizer", "none", "submodule"]),
+    clip=st.sampled_from([None, None, 0.05, 5.0]),
+    overflow=st.integers(0, 4).map(lambda n: n == 0),
+    halve_lr=st.integers(0, 3).map(lambda n: n == 0),
+    read_after=st.booleans(),
+    clamp_after=st.booleans(),
+    swap_state=st.booleans(),
+    skip_backward=st.integers(0, 5).map(lambda n: n == 0),
+    freeze_before_step=st.integers(0, 3).flatmap(lambda n: frozen_layers if n == 0 else st.just(())),
+    step_twice=st.integers(0, 5).map(lambda n: n == 0),
+)
+
+
+@st.composite
+def programs(draw) -> Program:
+    bf16 = draw(st.integers(0, 3)) == 0
+    program_steps = draw(st.lists(steps, min_size=3, max_size=6))
+    if bf16:
+        program_steps = [dataclasses.replace(step, clamp_after=False) for step in program_steps]
+    # Clipped grads that are not zeroed before the next backward: torch accumulates into the
+    # clipped averaged grads, the wrapper into its unclipped local ones (documented in
+    # ``ShardingStage1.clip_grad_norm_``), so such programs are not drawn.
+    # The same holds for grads the scaler unscaled, so with a scaler grads are always zeroed.
+    scaler = draw(st.integers(0, 2)) == 0
+    # Accumulating into grads a step left behind has the same trouble with ``submodule``.
+    program_steps = [
+        dataclasses.replace(step, clip=None) if step.zero_grad in ("none", "submodule") else step
+        for step in program_steps
+    ]
+    if scaler:
+        program_steps = [
+            dataclasses.replace(step, zero_grad="optimizer", step_twice=False)
+            if step.zero_grad in ("none", "submodule")
+            else dataclasses.replace(step, step_twice=False)
+            for step in program_steps
+        ]
+    else:
+        program_steps = [dataclasses.replace(step, overflow=False) for step in program_steps]
+    return Program(
+        optimizer=draw(st.sampled_from(sorted(OPTIMIZERS))),
+        steps=tuple(program_steps),
+        frozen_at_wrap=draw(frozen_layers),
+        scheduler=draw(st.sampled_from([None, "step", "lambda"])),
+        scheduler_before_wrap=draw(st.booleans()),
+        bucket_size_mb=draw(st.sampled_from([0.0002, 0.0005, None, 25.0])),
+        bf16_master=bf16,
+        attach_model=draw(st.booleans()),
+        reuse_body=draw(st.booleans()),
+        extra_shapes=tuple(draw(st.lists(shapes, max_size=4))),
+        two_groups=draw(st.booleans()),
+        scaler=scaler,
+        outside_weight=draw(st.booleans()),
+        ema=not bf16 and draw(st.booleans()),
+        kernels=draw(kernels),
+        empty_params=draw(st.booleans()),
+        empty_group=draw(st.booleans()),
+        layer_order=draw(st.one_of(st.just(LAYERS), st.permutations(LAYERS).map(tuple))),
+        # A checkpoint costs a DCP save and load (a few tenths of a second): drawn rarely.
+        state_at_start=draw(st.sampled_from([None, None, None, None, "state_dict", "checkpoint"])),
+    )
+
+
+def draw_programs(
+    count: int, seed: int | None = None, strategy: st.SearchStrategy | None = None
+) -> list[Program]:
+    """``count`` distinct programs drawn by hypothesis (from a fixed seed unless ``seed`` is
+    given; ``strategy`` defaults to :func:`programs`). Drawing runs in this process (no ranks),
+    collecting one program per example, so a whole batch then runs in one spawn."""
+    drawn: list[Program] = []
+
+    @settings(
+        max_examples=2 * count,
+        derandomize=seed is None,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(program=programs() if strategy is None else strategy)
+    def collect(program: Program) -> None:
+        drawn.append(program)
+
+    (collect if seed is None else hypothesis.seed(seed)(collect))()
+    # Every optimizer class in turn, so a small budget still covers them all.
+    names = sorted(OPTIMIZERS)
+    unique = list(dict.fromkeys(drawn))[:count]
+    return [_for_optimizer(p, names[i % len(names)]) for i, p in enumerate(unique)]
+
+
+def _for_optimizer(program: Program, name: str) -> Program:
+    """``program`` with optimizer ``name`` and kernels it has.
+
+    A fused optimizer takes the scaler's ``found_inf`` into its own step, so a step skipped for
+    an overflow still creates zero state (``step`` 0) for params that had none, where the
+    wrapper skips the step as for every other class: the params and every later step are the
+    same, the state dict is not (entries of zeros), so fused programs are drawn without
+    overflows. Kernels differ between the runs only where their rounding is the same (see
+    ``CLOSE_ACROSS_KERNELS``) and without a scaler: a state dict swap carries the ``fused``
+    flag across, but torch decides once, when a fused optimizer is built, that the scaler hands
+    its step ``found_inf``, so plain torch itself then fails ("Expected grad_scale and
+    found_inf to be None")."""
+    wrapped, plain = ("default" if k == "fused" and name not in FUSED_ON_CPU else k for k in program.kernels)
+    if name == "adamw_fused":
+        wrapped = plain = "default"  # fused already
+    if wrapped != plain and (program.scaler or name not in CLOSE_ACROSS_KERNELS):
+        plain = wrapped
+    if "fused" in name or "fused" in (wrapped, plain):
+        program = dataclasses.replace(
+            program, steps=tuple(dataclasses.replace(step, overflow=False) for step in program.steps)
+        )
+    return dataclasses.replace(program, optimizer=name, kernels=(wrapped, plain))

@@ -33,6 +33,12 @@ def run_ranks(
     )
 
 
+def run_jobs(jobs: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]) -> dict[str, Any]:
+    """On this rank, ``{name: fn(*args)}`` for every ``(name, fn, args)`` of ``jobs``: one spawn
+    runs every multi-rank job of a test module (``run_ranks(run_jobs, n, jobs)``)."""
+    return {name: fn(*args) for name, fn, args in jobs}
+
+
 def _single_threaded(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     # Two cores are shared by all ranks and gloo's threads; one intra-op thread per rank keeps
     # the machine from oversubscribing and the per-rank numerics deterministic.

@@ -28,9 +28,8 @@ import torch.distributed as dist
 from hypothesis import strategies as st
 
 from tests import differential
-from tests.differential import Program, StepSpec, check_result, run_program
+from tests.differential import Program, StepSpec, check_result, draw_programs, programs, run_program
 from tests.dist_helper import run_ranks
-from tests.test_differential import draw_programs, programs
 
 FUZZ_COLLECTIVE_TIMEOUT_S = 60.0
 """How long a rank waits in a collective before the world size is given up as hung."""

@@ -12,7 +12,7 @@ The checks (:func:`soak_problems`): after warm-up, RSS stays within a small boun
 tensor counts stay exactly constant; no collective is pending after ``sync_params()``; and the
 final params of both modes are bitwise equal on every rank.
 
-The CI version (a few hundred steps) runs in ``tests/test_faults.py``; the long one is a script::
+The CI version (a few hundred steps) runs in ``tests/reliability/test_faults.py``; the long one is a script::
 
     .venv/bin/python -m tests.soak --steps 5000 [--world-size 2] [--seed 0]
 

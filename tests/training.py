@@ -8,6 +8,7 @@ the concatenated batch.
 from __future__ import annotations
 
 import dataclasses
+import io
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,11 @@ from sharded_opt import ShardingConfig, ShardingStage1, Strategy
 
 GLOBAL_BATCH = 12  # divisible by world sizes 1, 2, 3 and 4
 IN_FEATURES = 12
+RTOL, ATOL = 1e-6, 1e-7
+"""The fp32 parity tolerance against one process over the whole batch (why: the docstring of
+``tests/parity/test_parity.py``)."""
+STEPS_BEFORE, STEPS_AFTER = 4, 4
+"""Steps before a state dict or checkpoint is taken, and after it is loaded."""
 
 
 class ParityMLP(nn.Module):
@@ -102,6 +108,23 @@ def batch(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def local_slice(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     size = tensor.shape[0] // world_size
     return tensor[rank * size : (rank + 1) * size]
+
+
+def _sharded_steps(model, optimizer, steps: range) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        optimizer.zero_grad()
+        dtype = next(model.parameters()).dtype
+        inputs, targets = (t.to(dtype) for t in batch(step))
+        prediction = model(local_slice(inputs, rank, world_size))
+        torch.nn.functional.mse_loss(prediction, local_slice(targets, rank, world_size)).backward()
+        optimizer.step()
+
+
+def _to_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 def train_sharded(config: RunConfig) -> dict:

@@ -1,7 +1,7 @@
 """Bytes one rank holds, by kind, computed from a layout plan: nothing is allocated.
 
 The sharded modes follow what the wrapper allocates (``ShardingStage1.memory_bytes()`` reports the
-same keys, and tests/test_plan.py checks they agree exactly): every bucket's flat param buffer,
+same keys, and tests/plan/test_plan.py checks they agree exactly): every bucket's flat param buffer,
 a grad buffer for each bucket that takes part (Note [Buckets that take part]), per bucket a
 persistent averaged grad of the shard in the reduce dtype, a grad in the master dtype when the
 optimizer steps a master copy of another dtype, the master copy, the optimizer's state for the

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_helper import run_ranks
-from tests.integrations.common import (
+from tests.integrations_common import (
     assert_close_run,
     decay_groups,
     params_of,

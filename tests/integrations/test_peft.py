@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_helper import run_ranks
-from tests.integrations.common import PARAM_ATOL, max_diff, params_of, quiet_rank, tiny_gpt2, token_ids
+from tests.integrations_common import PARAM_ATOL, max_diff, params_of, quiet_rank, tiny_gpt2, token_ids
 
 STEPS = 4
 GLOBAL_BATCH = 4

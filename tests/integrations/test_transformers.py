@@ -15,7 +15,7 @@ import os
 import torch
 
 from tests.dist_helper import run_ranks
-from tests.integrations.common import (
+from tests.integrations_common import (
     assert_close_run,
     params_of,
     quiet_rank,

@@ -1,0 +1,1 @@
+"""Optimizer state dicts in torch's format and sharded DCP checkpoints."""

@@ -1,0 +1,1 @@
+"""The docs stay true: runnable snippets, links, the Note index and the README's example."""

@@ -1,0 +1,1 @@
+"""Hybrid sharding (shard within groups of ``degree`` ranks, replicate across them)."""

@@ -1,0 +1,280 @@
+"""Programs the differential fuzzer (``tests/fuzz_differential.py``) found to differ from plain
+torch, shrunk to their smallest form, plus the habits it draws beyond ``tests/parity/test_differential.py``
+written out once each, so they are checked on every run whatever hypothesis draws.
+
+Each case runs sync and overlap on 2 and 3 ranks (and hybrid on 4 where it says so); all cases
+of a world size run in one spawn. A smoke test keeps the fuzzer's driver runnable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests import fuzz_differential
+from tests.differential import (
+    Program,
+    Resume,
+    StepSpec,
+    check_result,
+    resume_from,
+    run_programs,
+    save_for_resume,
+)
+from tests.dist_helper import run_ranks
+
+CASES: dict[str, Program] = {
+    # Found: clip_grad_norm_, step(), step() again. torch's second step uses the clipped grads;
+    # the wrapper reduced the local grads again and stepped them unclipped (SGD: 4e-3 on the
+    # scale param after one step). Note [A step without backward] in sharded_opt/grad_sync.py.
+    "clip_then_step_twice": Program(optimizer="sgd", steps=(StepSpec(clip=0.05, step_twice=True),)),
+    # The same through a step without backward after grads were kept (not zeroed).
+    "clip_then_step_without_backward": Program(
+        optimizer="adamw",
+        steps=(StepSpec(clip=0.05, zero_grad="none"), StepSpec(skip_backward=True, clip=0.05)),
+    ),
+    "step_twice_adam_two_groups": Program(
+        optimizer="adam", steps=(StepSpec(step_twice=True), StepSpec()), two_groups=True
+    ),
+    "step_without_backward_after_zero_grad": Program(
+        optimizer="sgd_nesterov",
+        steps=(
+            StepSpec(),
+            StepSpec(skip_backward=True),
+            StepSpec(zero_grad="optimizer_keep"),
+            StepSpec(skip_backward=True),
+        ),
+    ),
+    "outside_loss_weight_overlap_reads": Program(
+        optimizer="adamw",
+        steps=(StepSpec(read_after=True), StepSpec(expert_ranks="some"), StepSpec()),
+        outside_weight=True,
+        two_groups=True,
+    ),
+    "ema_post_hook": Program(
+        optimizer="nadam",
+        steps=(StepSpec(), StepSpec(frozen=("body",)), StepSpec()),
+        ema=True,
+        outside_weight=True,
+    ),
+    "submodule_zero_grad": Program(
+        optimizer="rmsprop",
+        steps=(StepSpec(zero_grad="submodule"), StepSpec(zero_grad="submodule", micro_batches=2), StepSpec()),
+    ),
+    "freeze_between_backward_and_step": Program(
+        optimizer="adagrad",
+        steps=(
+            StepSpec(freeze_before_step=("head", "body")),
+            StepSpec(freeze_before_step=("embed",)),
+            StepSpec(),
+        ),
+    ),
+    # Found: a scaler step with no backward since zero_grad(). torch's GradScaler.step raises
+    # "No inf checks were recorded for this optimizer"; ShardedGradScaler flagged every device
+    # anyway, so the wrapper stepped on. check_result requires both runs to raise at that step.
+    "scaler_step_without_any_grad": Program(
+        optimizer="adam", steps=(StepSpec(), StepSpec(skip_backward=True), StepSpec()), scaler=True
+    ),
+    # Found: an EMA step post-hook on the torch optimizer with a scaler that skips an overflowed
+    # step. GradScaler.step never calls a non-fused optimizer's step then, so its hooks do not
+    # fire; the wrapper fired them (EMA of the scale param off by 7.5e-4 after 5 steps).
+    "ema_hook_skipped_with_overflow": Program(
+        optimizer="sgd", steps=(StepSpec(), StepSpec(overflow=True), StepSpec()), scaler=True, ema=True
+    ),
+    # Found: model.zero_grad() (grads None), a step with a layer frozen, then
+    # opt.zero_grad(set_to_none=False). torch leaves a None grad None, so the frozen layer is
+    # not stepped later; the wrapper turned it into a zero grad and stepped it (momentum, decay).
+    "keep_zeros_after_grads_set_to_none": Program(
+        optimizer="sgd",
+        steps=(
+            StepSpec(zero_grad="model"),
+            StepSpec(frozen=("expert",), zero_grad="optimizer_keep"),
+            StepSpec(frozen=("expert",)),
+        ),
+    ),
+    # Found (issue 23): a layer frozen at wrap, unfrozen, given a grad on some ranks only and
+    # kept, then frozen again while it holds it. Only the ranks holding the grad reduced its
+    # bucket: the others never issued that collective and every rank hung until the timeout.
+    "frozen_again_while_some_ranks_hold_its_grad": Program(
+        optimizer="sgd",
+        steps=(StepSpec(expert_ranks="some", zero_grad="none"), StepSpec(frozen=("expert",))),
+        frozen_at_wrap=("expert",),
+    ),
+    # Found (issue 23): after model.zero_grad(), a layer used by some ranks only and frozen
+    # between backward and step(). Sync mode reduced the other ranks' stale grad slots with it
+    # (half of its elements up to 13 % off), and where it had a bucket of its own only the
+    # ranks holding the grad reduced it.
+    "frozen_before_step_after_model_zero_grad": Program(
+        optimizer="asgd",
+        steps=(
+            StepSpec(zero_grad="model"),
+            StepSpec(expert_ranks="some", halve_lr=True, freeze_before_step=("expert",)),
+        ),
+        bf16_master=True,
+        reuse_body=True,
+        bucket_size_mb=0.0002,
+    ),
+    "frozen_before_step_after_model_zero_grad_shared_bucket": Program(
+        optimizer="adamw",
+        steps=(StepSpec(zero_grad="model"), StepSpec(expert_ranks="some", freeze_before_step=("expert",))),
+        bucket_size_mb=None,
+    ),
+    "auto_bucket_size": Program(
+        optimizer="radam", steps=(StepSpec(), StepSpec(clip=5.0)), bucket_size_mb=None
+    ),
+    # Found: zero-element params (a 0-row Linear, torch.empty(0)) were in no rank's pieces, so
+    # the wrapper never stepped them and its state dict had no entry for them, where torch keeps
+    # ``step`` and empty ``exp_avg``s once they have a grad (a torch state dict's entries for
+    # them were dropped on load). Now the rank whose shard holds the offset steps an empty piece.
+    "zero_element_params_keep_state": Program(
+        optimizer="adam",
+        steps=(StepSpec(), StepSpec(swap_state=True), StepSpec(frozen=("body",))),
+        empty_params=True,
+        empty_group=True,
+        bucket_size_mb=0.0002,
+    ),
+    "foreach_state_into_wrapper": Program(
+        optimizer="rmsprop", steps=(StepSpec(swap_state=True), StepSpec()), kernels=("default", "foreach")
+    ),
+    "fused_state_into_wrapper": Program(
+        optimizer="adamw",
+        steps=(StepSpec(swap_state=True), StepSpec(), StepSpec(swap_state=True)),
+        kernels=("default", "fused"),
+    ),
+    "state_dict_before_any_step": Program(
+        optimizer="adamw",
+        steps=(StepSpec(), StepSpec()),
+        state_at_start="state_dict",
+        kernels=("fused", "fused"),
+    ),
+    "checkpoint_before_any_step": Program(
+        optimizer="adamw", steps=(StepSpec(), StepSpec()), state_at_start="checkpoint", bf16_master=True
+    ),
+    "forward_order_not_registration_order": Program(
+        optimizer="adam",
+        steps=(StepSpec(), StepSpec(expert_ranks="some"), StepSpec(clip=0.05)),
+        layer_order=("head", "expert", "body", "embed"),
+    ),
+}
+
+HYBRID_CASES: dict[str, Program] = {
+    "hybrid_step_twice_clip": Program(
+        optimizer="adamw", steps=(StepSpec(clip=0.05, step_twice=True), StepSpec()), degree=2, ema=True
+    ),
+    "hybrid_mesh_frozen_again_while_some_ranks_hold_its_grad": Program(
+        optimizer="adamw",
+        steps=(StepSpec(expert_ranks="some", zero_grad="none"), StepSpec(frozen=("expert",))),
+        frozen_at_wrap=("expert",),
+        degree=2,
+        device_mesh=True,
+    ),
+    "hybrid_mesh_outside_weight": Program(
+        optimizer="adam",
+        steps=(StepSpec(), StepSpec(skip_backward=True, zero_grad="none"), StepSpec()),
+        degree=2,
+        device_mesh=True,
+        outside_weight=True,
+    ),
+}
+
+WORLD_SIZES = (2, 3)
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES)
+def outcomes(request) -> tuple[int, list]:
+    world_size = request.param
+    return world_size, run_ranks(run_programs, world_size, list(CASES.values()))
+
+
+@pytest.fixture(scope="module")
+def hybrid_outcomes() -> list:
+    return run_ranks(run_programs, 4, list(HYBRID_CASES.values()))
+
+
+def _check(programs: dict[str, Program], per_rank: list, name: str, world_size: int) -> None:
+    index = list(programs).index(name)
+    for rank, results in enumerate(per_rank):
+        for overlap in (False, True):
+            program = dataclasses.replace(programs[name], overlap=overlap)
+            check_result(
+                program, results[2 * index + overlap], f"{name}, {world_size} ranks, rank {rank}, {program}"
+            )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_case_matches_plain_torch(outcomes: tuple[int, list], name: str) -> None:
+    world_size, per_rank = outcomes
+    _check(CASES, per_rank, name, world_size)
+
+
+@pytest.mark.parametrize("name", list(HYBRID_CASES))
+def test_hybrid_case_matches_plain_torch(hybrid_outcomes: list, name: str) -> None:
+    _check(HYBRID_CASES, hybrid_outcomes, name, 4)
+
+
+RESUMED: dict[str, tuple[Program, int]] = {
+    "adamw_scheduler_outside_weight_empty_params": (
+        Program(
+            optimizer="adamw",
+            steps=(StepSpec(), StepSpec(halve_lr=True), StepSpec(), StepSpec(clip=0.05)),
+            scheduler="step",
+            two_groups=True,
+            outside_weight=True,
+            empty_params=True,
+        ),
+        2,
+    ),
+    "adam_bf16_master_scaler_frozen": (
+        Program(
+            optimizer="adam",
+            steps=(StepSpec(frozen=("expert",)), StepSpec(), StepSpec(overflow=True), StepSpec()),
+            bf16_master=True,
+            scaler=True,
+        ),
+        2,
+    ),
+    "rmsprop_overlap_foreach_reordered": (
+        Program(
+            optimizer="rmsprop",
+            steps=(StepSpec(micro_batches=2), StepSpec(swap_state=True), StepSpec()),
+            overlap=True,
+            kernels=("foreach", "default"),
+            layer_order=("body", "head", "embed", "expert"),
+        ),
+        1,
+    ),
+}
+"""Programs checkpointed part way and resumed at another world size: (program, split)."""
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 3), (3, 2)])
+def test_resume_at_another_world_size(tmp_path, saved: int, resumed: int) -> None:
+    resumes = [Resume(program, split, saved) for program, split in RESUMED.values()]
+    for phase, world_size in ((save_for_resume, saved), (resume_from, resumed)):
+        for rank, results in enumerate(run_ranks(phase, world_size, resumes, str(tmp_path))):
+            for name, resume, result in zip(RESUMED, resumes, results, strict=True):
+                where = f"{name}, {phase.__name__} on {world_size} ranks, rank {rank}"
+                assert result["errors"] is None, f"{result['errors']}, {where}"
+                check_result(resume.program, result, where)
+
+
+def test_scaler_without_grads_raises_as_torch(outcomes: tuple[int, list]) -> None:
+    world_size, per_rank = outcomes
+    index = list(CASES).index("scaler_step_without_any_grad")
+    for results in per_rank:
+        for errors in (results[2 * index]["errors"], results[2 * index + 1]["errors"]):
+            assert errors is not None and errors["step"] == 1, errors
+            assert "No inf checks were recorded" in errors["sharded"], errors
+
+
+def test_fuzz_driver_runs_two_programs() -> None:
+    failures, ran = fuzz_differential.fuzz(world_size=2, count=2, seed=0, time_limit_s=120.0)
+    assert ran == 2
+    assert failures == [], "\n\n".join(f.report() for f in failures)
+
+
+def test_fuzz_driver_replays_a_reported_program() -> None:
+    program = CASES["clip_then_step_twice"]
+    assert fuzz_differential.replay(repr(program)) == program
+    assert program in fuzz_differential.simpler(dataclasses.replace(program, ema=True))

@@ -1,0 +1,1 @@
+"""The planner, ``sharded_opt.plan``."""

@@ -1,0 +1,232 @@
+"""The planner (``sharded_opt.plan``): its bytes against the wrapper's own ``memory_bytes()`` on
+spawned gloo ranks, its cost model on stated numbers, its command line and its errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+from sharded_opt.plan import AlphaBeta, Cluster, ComputeTimes, LinkModel, plan_training
+from sharded_opt.plan.__main__ import main
+from sharded_opt.plan.schedule import BucketCosts, StepCosts, Transfer, simulate
+from tests.dist_helper import run_ranks
+
+COMPUTE = ComputeTimes(forward_s=0.1, backward_s=0.2, step_s=0.03)
+FAST_LINK = LinkModel.stated(100.0, latency_us=10)
+
+
+class OddNet(nn.Module):
+    """Sizes that force padding at every world size, a scalar param packed between larger ones,
+    and enough bytes for several default buckets (they are at least 64 KiB)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(37, 301)
+        self.scale = nn.Parameter(torch.ones(()))
+        self.middle = nn.Linear(301, 299)
+        self.last = nn.Linear(299, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.middle(torch.relu(self.first(x)) * self.scale)))
+
+
+def odd_net() -> nn.Module:
+    return OddNet()
+
+
+def bf16_net() -> nn.Module:
+    return OddNet().to(torch.bfloat16)
+
+
+def partly_frozen_net() -> nn.Module:
+    model = OddNet()
+    model.first.weight.requires_grad_(False)
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    factory: str
+    optimizer: str
+    kwargs: dict
+    master_dtype: torch.dtype | None = None
+    degree: int | None = None
+
+    def sharding(self) -> ShardingConfig:
+        return ShardingConfig(master_dtype=self.master_dtype, degree=self.degree)
+
+
+CASES = {
+    1: [Case("partly_frozen_net", "SGD", {"momentum": 0.9}), Case("bf16_net", "AdamW", {}, torch.float32)],
+    2: [
+        Case("odd_net", "AdamW", {}),
+        Case("bf16_net", "Adam", {"amsgrad": True}, torch.float32),
+        Case("partly_frozen_net", "Adagrad", {}),  # state at construction: frozen buckets too
+        Case("partly_frozen_net", "RMSprop", {"momentum": 0.9, "centered": True}),
+    ],
+    3: [Case("odd_net", "AdamW", {}), Case("bf16_net", "SGD", {"momentum": 0.9})],
+    4: [Case("odd_net", "AdamW", {}, degree=2)],
+}
+
+
+def _wrapped_memory(cases: list[Case]) -> list[dict[str, int]]:
+    """Each case's ``memory_bytes()`` on this rank after one training step."""
+    reports = []
+    for case in cases:
+        torch.manual_seed(0)
+        model = globals()[case.factory]()
+        optimizer = getattr(torch.optim, case.optimizer)(model.parameters(), **case.kwargs)
+        wrapper = ShardingStage1(optimizer, strategy=Strategy(sharding=case.sharding()), model=model)
+        dtype = next(model.parameters()).dtype
+        model(torch.randn(4, 37, dtype=dtype)).float().square().mean().backward()
+        wrapper.step()
+        reports.append(wrapper.memory_bytes())
+        wrapper.close()
+    return reports
+
+
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_bytes_equal_the_wrappers_report(world_size: int) -> None:
+    cases = CASES[world_size]
+    per_rank = run_ranks(_wrapped_memory, world_size, cases)
+    for index, case in enumerate(cases):
+        cluster = Cluster(world_size=world_size, ranks_per_node=world_size, node_link=FAST_LINK)
+        plan = plan_training(
+            f"tests.plan.test_plan:{case.factory}",
+            case.optimizer,
+            cluster=cluster,
+            compute=COMPUTE,
+            optimizer_kwargs=case.kwargs,
+            sharding=case.sharding(),
+        )
+        mode = next(m for m in plan.modes if m.mode == ("hybrid" if case.degree else "sync"))
+        shard_size = case.degree or world_size
+        for rank, reports in enumerate(per_rank):
+            expected = mode.memory_per_rank[rank % shard_size].as_report()
+            assert reports[index] == expected, (case, rank)
+
+
+def _step_ms(gbps: float, mode: str, world_size: int = 2) -> float:
+    cluster = Cluster(world_size=world_size, ranks_per_node=world_size, node_link=LinkModel.stated(gbps, 20))
+    plan = plan_training("tests.plan.test_plan:odd_net", "AdamW", cluster=cluster, compute=COMPUTE)
+    return next(m for m in plan.modes if m.mode == mode).step_s * 1e3
+
+
+@pytest.mark.parametrize("mode", ["ddp", "sync", "overlap"])
+def test_step_time_falls_as_bandwidth_grows(mode: str) -> None:
+    times = [_step_ms(gbps, mode) for gbps in (0.001, 0.01, 0.1, 1.0, 10.0, 100.0)]
+    assert times == sorted(times, reverse=True)
+    assert times[0] > 2 * times[-1]  # at 1 Mbit/s communication dominates
+
+
+def test_overlap_is_never_slower_than_sync_when_comm_dominates() -> None:
+    for gbps in (0.005, 0.02, 0.1):
+        for world_size in (2, 4):
+            assert _step_ms(gbps, "overlap", world_size) <= _step_ms(gbps, "sync", world_size) * 1.001
+
+
+def test_sync_is_compute_then_every_collective() -> None:
+    buckets = tuple(
+        BucketCosts(
+            compute_share=share,
+            step_share=share / 2,
+            reduce=Transfer("link", 0.02 * (i + 1), 0.01 * (i + 1)),
+            gather=Transfer("link", 0.005, 0.005),
+        )
+        for i, share in enumerate((0.25, 0.75))
+    )
+    costs = StepCosts(buckets, COMPUTE, step_s=0.04, flags_s=0.001)
+    sync = simulate(costs, "sync", steps=3)
+    # forward + backward, the reductions back to back, the first alone and the second in flight
+    # behind it (the step of bucket 0 hides behind the second), bucket 1's step, then both
+    # all-gathers
+    one_step = 0.1 + 0.2 + (0.02 + 0.02) + 0.04 * 0.75 / 2 + 2 * 0.005
+    assert sync.steady_step_s() == pytest.approx(one_step)
+    assert sync.block_step_s() == pytest.approx(one_step)
+    overlap = simulate(costs, "overlap", steps=3)
+    assert overlap.steady_step_s() < one_step
+    assert overlap.block_step_s() > overlap.steady_step_s()  # the last all-gathers are not hidden
+
+
+def test_link_between_nodes_carries_hybrid_replicas_only() -> None:
+    slow = LinkModel.stated(0.1, 20)
+    cluster = Cluster(world_size=4, ranks_per_node=2, node_link=FAST_LINK, link=slow)
+    plan = plan_training("tests.plan.test_plan:odd_net", "AdamW", cluster=cluster, compute=COMPUTE)
+    by_mode = {m.label: m for m in plan.modes}
+    # 2 x 2: only the 1/2 shard crosses between nodes, once (all-reduce) instead of twice; each
+    # rank holds state / 2 instead of state / 4 (up to where the shards cut the padding)
+    assert by_mode["hybrid 2"].comm_s < by_mode["overlap"].comm_s
+    hybrid_state, full_state = (by_mode[k].memory.optimizer_state for k in ("hybrid 2", "overlap"))
+    assert hybrid_state == pytest.approx(2 * full_state, rel=0.01)
+
+
+def test_recommends_the_fastest_unless_a_leaner_mode_ties() -> None:
+    cluster = Cluster(world_size=2, ranks_per_node=2, node_link=LinkModel.stated(0.05, 20))
+    plan = plan_training("tests.plan.test_plan:odd_net", "AdamW", cluster=cluster, compute=COMPUTE)
+    fastest = min(m.step_s for m in plan.modes)
+    assert plan.recommended.step_s <= fastest * 1.03
+    assert all(
+        plan.recommended.memory.total <= m.memory.total for m in plan.modes if m.step_s <= fastest * 1.03
+    )
+
+
+def test_cli_with_stated_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "tiny", "--world-size", "4", "--compute-ms", "300", "--step-ms", "10"]
+    assert main([*argv, "--node-link", "10,20", "--ranks-per-node", "2", "--link", "1"]) == 0
+    out = capsys.readouterr().out
+    for label in ("ddp", "sync", "overlap", "hybrid 2", "recommended:"):
+        assert label in out
+
+
+def test_cli_calibrates(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "tiny", "--calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert "measured: ComputeTimes(forward_s=" in out
+    assert "recommended:" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--optimizer", "Lion"], "plan expects optimizer to name one of torch.optim's"),
+        (["--optimizer", "LBFGS"], "plan expects optimizer to name one of"),
+        (["--world-size", "0"], "plan expects world_size to be an int >= 1 but got 0"),
+        (
+            ["--ranks-per-node", "3"],
+            "plan expects ranks_per_node to be an int >= 1 that divides world_size 2",
+        ),
+        (
+            ["--model", "no_such_module:factory"],
+            "could not import the model factory's module 'no_such_module'",
+        ),
+        (["--model", "tests.plan.test_plan:no_such_factory"], "to have a callable 'no_such_factory'"),
+        (["--model", "odd_net:"], "plan expects the model factory as 'module:callable' but got 'odd_net:'"),
+        (["--model", "gpt9"], "plan expects model as 'module:callable' or one of"),
+        (["--optimizer-kwargs", '{"lr": -1}'], "plan could not build AdamW with {'lr': -1}"),
+    ],
+)
+def test_cli_answers_bad_input(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--compute-ms", "100", "--node-link", "1", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_needs_compute_and_link() -> None:
+    with pytest.raises(SystemExit):
+        main(["--node-link", "1"])
+    with pytest.raises(SystemExit):
+        main(["--compute-ms", "100"])
+
+
+def test_stated_numbers_are_checked() -> None:
+    with pytest.raises(ValueError, match="LinkModel.stated expects gbps > 0"):
+        LinkModel.stated(0.0)
+    with pytest.raises(ValueError, match="AlphaBeta expects alpha_s >= 0"):
+        AlphaBeta(alpha_s=-1.0, beta_s_per_byte=0.0)
+    with pytest.raises(ValueError, match="ComputeTimes expects forward_s >= 0"):
+        ComputeTimes(forward_s=float("nan"), backward_s=0.0, step_s=0.0)
+    with pytest.raises(ValueError, match="plan expects a link between nodes"):
+        Cluster(world_size=4, ranks_per_node=2, node_link=FAST_LINK)
