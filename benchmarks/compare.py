@@ -16,6 +16,12 @@ communication alone takes several times the compute: the case overlap exists for
 With ``--emulate-link`` on ``--world-sizes 2K`` there are two emulated nodes of K ranks each
 (fast loopback inside a node, the shaped link between them), and the bytes that cross the link
 per step are measured for every mode from the link's own counters.
+
+``--optimizer muon`` trains with torch's Muon over the hidden matrices and AdamW over the rest
+(two ``ShardingStage1`` wrappers in the sharded modes; modes DDP, sync and overlap, hybrid with
+``--degree``) and, on CPU ranks, splits each block's step time into communication, Newton-Schulz
+and the rest per rank (``benchmarks/step_split.py``), with the optimizer state per rank and
+class (benchmarks/results/2026-12-04-muon.md).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import torch
 
 from benchmarks import plots, report
 from benchmarks.models import MODEL_NAMES, PRESETS, model_seq_len
-from benchmarks.modes import MODES
+from benchmarks.modes import MODES, MUON_MODES, OPTIMIZERS
 from benchmarks.netns import LinkConfig, link_unavailable_reason, parse_link, shaped_link
 from benchmarks.report import bucket_label
 from benchmarks.session import RunConfig, compare_rank, memory_rank
@@ -117,7 +123,10 @@ def parse_args(argv: list[str] | None) -> Plan:
     parser.add_argument("--profile", action="store_true", help="save one Chrome trace per mode into --out")
     parser.add_argument("--profile-steps", type=int, default=defaults.profile_steps,
                         help="steps per --profile trace (3: the steady state)")  # fmt: skip
-    parser.add_argument("--modes", type=_mode_list, default=MODES, help="subset of " + ",".join(MODES))
+    parser.add_argument("--modes", type=_mode_list, default=None,
+                        help=f"subset of {','.join(MODES)} (Muon: {','.join(MUON_MODES)})")  # fmt: skip
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer,
+                        help="muon: Muon on hidden matrices, AdamW on the rest; split steps")  # fmt: skip
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads per rank")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
@@ -145,7 +154,11 @@ def parse_args(argv: list[str] | None) -> Plan:
         parser.error("--steady-steps must be at least 1")
     if args.degree is not None and (args.degree < 1 or any(ws % args.degree for ws in args.world_sizes)):
         parser.error(f"--degree must be >= 1 and divide every world size {args.world_sizes}")
-    modes = tuple(mode for mode in args.modes if mode != "hybrid" or args.degree is not None)
+    allowed = MUON_MODES if args.optimizer == "muon" else MODES
+    if args.modes is not None and any(mode not in allowed for mode in args.modes):
+        parser.error(f"--optimizer {args.optimizer} runs the modes {','.join(allowed)} only")
+    chosen = allowed if args.modes is None else args.modes
+    modes = tuple(mode for mode in chosen if mode != "hybrid" or args.degree is not None)
     if link is not None and args.degree is not None:
         link = dataclasses.replace(link, ranks_per_node=args.degree)
     base = dataclasses.replace(
@@ -165,6 +178,7 @@ def parse_args(argv: list[str] | None) -> Plan:
         threads=args.threads,
         seed=args.seed,
         gloo_point_to_point=args.gloo_p2p,
+        optimizer=args.optimizer,
     )
     return Plan(base, args.world_sizes, args.bucket_mb, args.out, memory, link)
 
@@ -201,6 +215,7 @@ def run_once(config: RunConfig, world_size: int, memory: bool) -> dict:
             peaks[mode] = spawn(memory_rank, (memory_config, mode), nprocs=world_size)
     summary = report.summarize_run(ranks, peaks, config.micro_batch * config.seq_len)
     summary["bucket_mb"] = config.bucket_mb
+    summary["optimizer"] = config.optimizer
     summary["loss_curve_ddp"] = ranks[0]["losses"].get("ddp", [])
     summary["timeline"] = ranks[0].get("timeline", [])
     node_bytes = [r["link_tx_bytes_per_step"] for r in ranks if "link_tx_bytes_per_step" in r]
@@ -213,7 +228,8 @@ def _print_run(run: dict, config: RunConfig) -> None:
     print(f"\n== {run['world_size']} rank(s), {config.model} GPT ({run['num_params'] / 1e6:.2f}M params), "
           f"{config.micro_batch}x{config.seq_len} tokens/rank, {bucket_label(run['bucket_mb'])} MiB buckets "
           f"({len(run['buckets_padded_numel'])} buckets"
-          f"{', gloo point-to-point' if config.gloo_point_to_point else ''}) ==")  # fmt: skip
+          f"{', gloo point-to-point' if config.gloo_point_to_point else ''})"
+          f"{', Muon on the hidden matrices + AdamW' if config.optimizer == 'muon' else ''} ==")  # fmt: skip
     print(report.mode_table(run))
     if "link_bytes_per_step" in run:
         print("bytes across the emulated link per step (both directions, steady blocks, median):")
@@ -222,6 +238,15 @@ def _print_run(run: dict, config: RunConfig) -> None:
     print(f"block = {config.steps_per_round}-step blocks ending in sync_params(); steady = "
           f"{config.steady_steps}-step blocks; medians of the slowest rank")  # fmt: skip
     print("\n".join(report.analysis_lines(run)))
+    if "split" in run:
+        print("\nStep time split (benchmarks/step_split.py): medians of each rank's blocks, means over "
+              "ranks; rest = step - comm - Newton-Schulz (NS); NS max: the busiest rank")  # fmt: skip
+        print(report.split_table(run))
+    elif config.optimizer == "muon":
+        print("(no step time split: it is measured on CPU ranks only, see benchmarks/step_split.py)")
+    if "state_bytes_by_rank" in run:
+        print("optimizer state per rank, MiB:")
+        print("\n".join(report.state_lines(run)))
     curve = run["loss_curve_ddp"]
     if curve:
         window = max(1, len(curve) // 6)

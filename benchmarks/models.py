@@ -148,6 +148,22 @@ def _init_weights(module: nn.Module) -> None:
 MODEL_NAMES = (*PRESETS, "mlp")
 
 
+def hidden_matrix_names(model: nn.Module) -> set[str]:
+    """Names of the params Muon users give Muon: the hidden layers' weight matrices (the GPT's
+    block matrices, the MLP's layers but its head). Embeddings, norms, biases and the head go to
+    AdamW (docs/muon-adafactor.md)."""
+    if isinstance(model, GPT):
+        return {name for name, p in model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")}
+    if isinstance(model, MLP):
+        head = f"net.{len(model.net) - 1}."
+        return {
+            name
+            for name, p in model.named_parameters()
+            if p.ndim == 2 and name.startswith("net.") and not name.startswith(head)
+        }
+    raise ValueError(f"hidden_matrix_names expects a GPT or an MLP but got {type(model).__name__}")
+
+
 def build_model(name: str, seed: int) -> nn.Module:
     """Build preset ``name`` (a GPT preset or ``"mlp"``) with weights from ``seed`` only.
 

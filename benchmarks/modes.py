@@ -1,7 +1,11 @@
 """The four training modes under comparison, plus a communication-only pseudo-mode.
 
-Every mode owns its model copy, built from the same seed, and the same AdamW hyperparameters,
-so the only difference between them is how grads are averaged and where optimizer state lives.
+Every mode owns its model copy, built from the same seed, and the same optimizer
+hyperparameters, so the only difference between them is how grads are averaged and where
+optimizer state lives. The optimizer is AdamW over every param, or (``--optimizer muon``)
+torch's Muon over the hidden matrices and AdamW over the rest, as Muon users split them
+(``benchmarks.models.hidden_matrix_names``, docs/muon-adafactor.md): two optimizers per mode,
+two ``ShardingStage1`` wrappers in the sharded modes.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.models import build_model
+from benchmarks.models import build_model, hidden_matrix_names
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
 
 MODES = ("ddp", "zero", "sync", "overlap", "hybrid")
@@ -32,6 +36,12 @@ With :data:`COMM_ONLY` it gives max(compute, comm), the best any overlap can do.
 
 PSEUDO_MODES = (COMM_ONLY, COMPUTE_ONLY)
 
+OPTIMIZERS = ("adamw", "muon")
+"""``--optimizer``: AdamW over every param, or Muon over the hidden matrices and AdamW over the rest."""
+
+MUON_MODES = ("ddp", "sync", "overlap", "hybrid")
+"""The modes that run with Muon (``ZeroRedundancyOptimizer`` is left out of that comparison)."""
+
 MUST_AGREE = ("ddp", "sync", "overlap", "hybrid")
 """Modes that run the same arithmetic and so must end with the same params (to tolerance)."""
 
@@ -46,6 +56,13 @@ LABELS = {
 }
 
 
+def label(name: str, optimizer: str = "adamw") -> str:
+    """A mode's label in tables and plots; with Muon, DDP's names both of its optimizers."""
+    if optimizer == "muon" and name == "ddp":
+        return "DDP + Muon/AdamW"
+    return LABELS[name]
+
+
 @dataclass(frozen=True, slots=True)
 class AdamWConfig:
     """One set of hyperparameters for every mode (weight decay on, so decoupled decay is tested)."""
@@ -57,6 +74,19 @@ class AdamWConfig:
 
     def kwargs(self) -> dict[str, object]:
         return {"lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay, "eps": self.eps}
+
+
+@dataclass(frozen=True, slots=True)
+class MuonConfig:
+    """Muon's hyperparameters for the hidden matrices under ``--optimizer muon`` (torch's defaults
+    but the learning rate, 0.02 as in Muon's own examples); the other params keep AdamWConfig."""
+
+    lr: float = 0.02
+    momentum: float = 0.95
+    weight_decay: float = 0.1
+
+    def kwargs(self) -> dict[str, object]:
+        return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,46 +104,75 @@ class ModeSpec:
     """Ranks per shard group of the ``hybrid`` mode."""
     gloo_point_to_point: bool = False
     """``ShardingConfig.gloo_point_to_point`` for the wrapper's modes (``--gloo-p2p``)."""
+    optimizer: str = "adamw"
+    """One of :data:`OPTIMIZERS` (``--optimizer``)."""
+    muon: MuonConfig = MuonConfig()
 
 
 class Runner:
-    """One mode's model, optimizer and training step.
+    """One mode's model, optimizers (one, or Muon then AdamW) and training step.
 
     ``step`` returns the loss without waiting for anything still in flight; ``settle`` waits for
     all of it (pending all-gathers, device kernels) so that a timed block is charged for all of
     its own work and none of it leaks into the next mode's block.
     """
 
-    def __init__(self, name: str, model: nn.Module, forward: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(
+        self,
+        name: str,
+        model: nn.Module,
+        forward: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *more: torch.optim.Optimizer,
+    ):
         self.name = name
         self.model = model
         self.forward = forward
-        self.optimizer = optimizer
+        self.optimizers = (optimizer, *more)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The first optimizer (the only one with AdamW; Muon's with ``--optimizer muon``)."""
+        return self.optimizers[0]
+
+    @property
+    def wrappers(self) -> list[ShardingStage1]:
+        return [o for o in self.optimizers if isinstance(o, ShardingStage1)]
 
     def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        self.optimizer.zero_grad()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
         with torch.profiler.record_function("forward"):
             loss = self.forward(inputs, targets)
         with torch.profiler.record_function("backward"):
             loss.backward()
         with torch.profiler.record_function("optimizer.step"):
-            self.optimizer.step()
+            for optimizer in self.optimizers:
+                optimizer.step()
         return loss.detach()
 
     def settle(self) -> None:
-        if isinstance(self.optimizer, ShardingStage1):
-            self.optimizer.sync_params()
+        for wrapper in self.wrappers:
+            wrapper.sync_params()
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
     def state_bytes(self) -> int:
         """Optimizer state held by this rank, in bytes."""
-        if isinstance(self.optimizer, ShardingStage1):
-            return self.optimizer.optimizer_state_bytes()
-        inner = (
-            self.optimizer.optim if isinstance(self.optimizer, ZeroRedundancyOptimizer) else self.optimizer
-        )
-        return _state_bytes(inner)
+        return sum(self.state_bytes_by_optimizer().values())
+
+    def state_bytes_by_optimizer(self) -> dict[str, int]:
+        """Optimizer state held by this rank, in bytes, per wrapped class (``{"Muon": ...,
+        "AdamW": ...}``): ``optimizer_state_bytes()`` of a wrapper, every state tensor otherwise."""
+        found: dict[str, int] = {}
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, ShardingStage1):
+                name = type(optimizer._shards.inner).__name__  # the wrapped class; no public name for it
+                found[name] = found.get(name, 0) + optimizer.optimizer_state_bytes()
+                continue
+            inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+            found[type(inner).__name__] = found.get(type(inner).__name__, 0) + _state_bytes(inner)
+        return found
 
     def flat_params(self) -> Tensor:
         """All params concatenated on the CPU, after waiting for pending updates."""
@@ -132,17 +191,21 @@ class CommOnlyRunner(Runner):
     """
 
     def __init__(self, wrapped: Runner) -> None:
-        super().__init__(COMM_ONLY, wrapped.model, wrapped.forward, wrapped.optimizer)
+        super().__init__(COMM_ONLY, wrapped.model, wrapped.forward, *wrapped.optimizers)
 
     def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        optimizer = self.optimizer
-        assert isinstance(optimizer, ShardingStage1)
-        comm = optimizer._shards.comm  # no public comm-only entry point yet
-        for bucket in optimizer.plan.buckets:
-            comm.start_grad_sync(bucket.index)
-        comm.finish_grad_sync()
-        comm.start_param_sync(reversed(range(len(optimizer.plan.buckets))))
-        comm.finish_param_sync()
+        # Every wrapper's collectives (Muon's and AdamW's) in flight together, each wrapper on a
+        # group of its own, as in a step. No public comm-only entry point yet.
+        comms = [(wrapper._shards.comm, wrapper.plan) for wrapper in self.wrappers]
+        for comm, plan in comms:
+            for bucket in plan.buckets:
+                comm.start_grad_sync(bucket.index)
+        for comm, _ in comms:
+            comm.finish_grad_sync()
+        for comm, plan in comms:
+            comm.start_param_sync(reversed(range(len(plan.buckets))))
+        for comm, _ in comms:
+            comm.finish_param_sync()
         return torch.zeros(())
 
     def state_bytes(self) -> int:
@@ -165,18 +228,35 @@ def _ddp_wrap(model: nn.Module, spec: ModeSpec) -> nn.Module:
     )
 
 
+def plain_optimizers(model: nn.Module, spec: ModeSpec) -> list[torch.optim.Optimizer]:
+    """``spec.optimizer``'s plain torch optimizers over ``model``: AdamW over every param, or
+    Muon over the hidden matrices and AdamW over the rest (in that order)."""
+    if spec.optimizer == "adamw":
+        return [torch.optim.AdamW(model.parameters(), **spec.adamw.kwargs())]
+    if spec.optimizer != "muon":
+        raise ValueError(f"expected an optimizer of {', '.join(OPTIMIZERS)} but got {spec.optimizer!r}")
+    hidden = hidden_matrix_names(model)
+    named = list(model.named_parameters())
+    return [
+        torch.optim.Muon([p for name, p in named if name in hidden], **spec.muon.kwargs()),
+        torch.optim.AdamW([p for name, p in named if name not in hidden], **spec.adamw.kwargs()),
+    ]
+
+
 def build_compute_runner(spec: ModeSpec) -> Runner:
-    """The :data:`COMPUTE_ONLY` pseudo-mode: the plain model and AdamW, no wrapper at all."""
+    """The :data:`COMPUTE_ONLY` pseudo-mode: the plain model and optimizers, no wrapper at all."""
     model = build_model(spec.model_name, spec.seed).to(spec.device)
-    return Runner(COMPUTE_ONLY, model, model, torch.optim.AdamW(model.parameters(), **spec.adamw.kwargs()))
+    return Runner(COMPUTE_ONLY, model, model, *plain_optimizers(model, spec))
 
 
 def _build_ddp(model: nn.Module, spec: ModeSpec) -> Runner:
     forward = _ddp_wrap(model, spec)
-    return Runner("ddp", model, forward, torch.optim.AdamW(model.parameters(), **spec.adamw.kwargs()))
+    return Runner("ddp", model, forward, *plain_optimizers(model, spec))
 
 
 def _build_zero(model: nn.Module, spec: ModeSpec) -> Runner:
+    if spec.optimizer != "adamw":
+        raise ValueError(f"the zero mode runs AdamW only, not {spec.optimizer!r}")
     forward = _ddp_wrap(model, spec)
     optimizer = ZeroRedundancyOptimizer(
         model.parameters(),
@@ -199,14 +279,11 @@ def _build_sharded(overlap: bool, hybrid: bool = False) -> Callable[[nn.Module, 
             gloo_point_to_point=spec.gloo_point_to_point,
         )
         strategy = Strategy(sharding=config)
-        optimizer = ShardingStage1(
-            torch.optim.AdamW(model.parameters(), **spec.adamw.kwargs()),
-            overlap=overlap,
-            strategy=strategy,
-            process_group=spec.group,
-            model=model,
-        )
-        return Runner("hybrid" if hybrid else "overlap" if overlap else "sync", model, model, optimizer)
+        wrappers = [
+            ShardingStage1(plain, overlap=overlap, strategy=strategy, process_group=spec.group, model=model)
+            for plain in plain_optimizers(model, spec)
+        ]
+        return Runner("hybrid" if hybrid else "overlap" if overlap else "sync", model, model, *wrappers)
 
     return build
 
@@ -250,9 +327,9 @@ def comm_bytes_per_step(runner: Runner, world_size: int) -> dict[str, float]:
     if world_size == 1 or runner.name == COMPUTE_ONLY:
         return {"payload": 0.0, "wire_per_rank": 0.0}
     ring = (world_size - 1) / world_size
-    if isinstance(runner.optimizer, ShardingStage1):
-        padded = sum(b.padded_numel * b.dtype.itemsize for b in runner.optimizer.plan.buckets)
-        groups = runner.optimizer.shard_groups
+    if runner.wrappers:
+        padded = sum(b.padded_numel * b.dtype.itemsize for w in runner.wrappers for b in w.plan.buckets)
+        groups = runner.wrappers[0].shard_groups
         if groups.num_replicas > 1 and groups.shard_size > 1:
             k, r = groups.shard_size, groups.num_replicas
             across = 2 * (r - 1) / r * padded / k

@@ -10,7 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
 from matplotlib.patches import Patch  # noqa: E402
 
-from benchmarks.modes import LABELS, MODES, PSEUDO_MODES  # noqa: E402
+from benchmarks.modes import MODES, PSEUDO_MODES  # noqa: E402
+from benchmarks.modes import label as mode_label  # noqa: E402
 from benchmarks.report import bucket_label  # noqa: E402
 
 
@@ -31,7 +32,8 @@ def plot_step_times(runs: list[dict], path: Path) -> None:
         label = f"{run['world_size']} ranks, {bucket_label(run['bucket_mb'])} MiB buckets"
         axes.bar(xs, medians, width, yerr=[lower, upper], capsize=3, label=label)
     axes.set_xticks([p + width * (len(runs) - 1) / 2 for p in range(len(names))])
-    axes.set_xticklabels([LABELS[n] for n in names], rotation=15, ha="right", fontsize=8)
+    optimizer = runs[0].get("optimizer", "adamw")
+    axes.set_xticklabels([mode_label(n, optimizer) for n in names], rotation=15, ha="right", fontsize=8)
     axes.set_ylabel("step time, ms (median, p10-p90)")
     axes.legend(fontsize=8)
     figure.tight_layout()
@@ -45,7 +47,11 @@ def plot_scaling(runs: list[dict], path: Path) -> None:
     for name in MODES:
         points = [(r["world_size"], r["modes"][name]["tokens_per_s"]) for r in runs if name in r["modes"]]
         if points:
-            axes.plot(*zip(*points, strict=True), marker="o", label=LABELS[name])
+            axes.plot(
+                *zip(*points, strict=True),
+                marker="o",
+                label=mode_label(name, runs[0].get("optimizer", "adamw")),
+            )
     axes.set_xlabel("ranks")
     axes.set_ylabel("tokens/s (all ranks)")
     axes.legend(fontsize=8)

@@ -7,7 +7,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.modes import COMM_ONLY, COMPUTE_ONLY, LABELS, MODES, MUST_AGREE, PSEUDO_MODES
+from benchmarks.modes import COMM_ONLY, COMPUTE_ONLY, MODES, MUST_AGREE, PSEUDO_MODES
+from benchmarks.modes import label as mode_label
 
 PARAM_ATOL = 1e-4
 """Max abs param difference allowed between modes that must agree. On CPU they agree bitwise;
@@ -95,7 +96,94 @@ def summarize_run(ranks: list[dict], memory: dict[str, list[dict]], tokens_per_r
         for method, key in METHODS.items()
         if all(key in stats for stats in modes.values())
     }
+    if "state_bytes_by_optimizer" in ranks[0]:
+        summary["state_bytes_by_rank"] = {
+            name: [r["state_bytes_by_optimizer"][name] for r in ranks]
+            for name in ranks[0]["state_bytes_by_optimizer"]
+        }
+    if "splits" in ranks[0]:
+        summary["split"] = {
+            method: step_split(ranks, times_key, splits_key)
+            for method, times_key, splits_key in SPLIT_METHODS
+            if ranks[0].get(times_key)
+        }
     return summary
+
+
+SPLIT_METHODS = (("block", "times", "splits"), ("steady", "steady_times", "steady_splits"))
+"""Per timing method, the ranks' keys of its block times and of its blocks' splits."""
+
+
+def step_split(ranks: list[dict], times_key: str, splits_key: str) -> dict[str, dict]:
+    """Per mode, where each rank's step time went (``benchmarks.step_split``): per rank, the
+    medians of its own blocks' step time, communication and Newton-Schulz time, and the rest of
+    the step (median step - both); then their means over ranks, and the Newton-Schulz time and
+    work (``newton_schulz_cost`` per matrix) of the busiest rank over the ranks' mean.
+
+    Each rank's own time: a step ends on every rank together, so a rank with less
+    Newton-Schulz work waits longer in communication for the busiest one."""
+    found = {}
+    for name in ranks[0][times_key]:
+        by_rank = []
+        for r in ranks:
+            split = r[splits_key][name]
+            row = {"step_s": statistics.median(r[times_key][name])}
+            row.update({key: statistics.median(values) for key, values in split.items()})
+            row["rest_s"] = row["step_s"] - row["comm_s"] - row["newton_schulz_s"]
+            by_rank.append(row)
+        mean = {key: statistics.fmean(row[key] for row in by_rank) for key in by_rank[0]}
+        found[name] = {
+            "by_rank": by_rank,
+            "mean": mean,
+            "newton_schulz_max_s": max(row["newton_schulz_s"] for row in by_rank),
+            "newton_schulz_max_over_mean": _max_over_mean([row["newton_schulz_s"] for row in by_rank]),
+            "work_max_over_mean": _max_over_mean([row["newton_schulz_work"] for row in by_rank]),
+        }
+    return found
+
+
+def _max_over_mean(values: list[float]) -> float | None:
+    mean = statistics.fmean(values)
+    return max(values) / mean if mean > 0 else None
+
+
+def split_table(run: dict) -> str:
+    """:func:`step_split` of every timing method as a table: one line per mode, ranks' means,
+    and the busiest rank's Newton-Schulz time and the balance of the ranks' work."""
+    header = (
+        f"{'method':6} {'mode':32} {'step ms':>8} {'comm ms':>8} {'NS ms mean':>10} {'NS ms max':>9} "
+        f"{'rest ms':>8} {'NS time max/mean':>16} {'NS work max/mean':>16} {'matrices/rank':>13}"
+    )
+    lines = [header, "-" * len(header)]
+    optimizer = run.get("optimizer", "adamw")
+    for method, modes in run.get("split", {}).items():
+        for name, found in modes.items():
+            mean = found["mean"]
+            matrices = "/".join(f"{row['newton_schulz_calls']:g}" for row in found["by_rank"])
+            lines.append(
+                f"{method:6} {mode_label(name, optimizer):32} {mean['step_s'] * 1e3:8.1f} "
+                f"{mean['comm_s'] * 1e3:8.1f} {mean['newton_schulz_s'] * 1e3:10.1f} "
+                f"{found['newton_schulz_max_s'] * 1e3:9.1f} {mean['rest_s'] * 1e3:8.1f} "
+                f"{_ratio_text(found['newton_schulz_max_over_mean']):>16} "
+                f"{_ratio_text(found['work_max_over_mean']):>16} {matrices:>13}"
+            )
+    return "\n".join(lines)
+
+
+def _ratio_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def state_lines(run: dict) -> list[str]:
+    """Each mode's optimizer state on each rank, by wrapped class (Muon, AdamW), in MiB."""
+    lines = []
+    for name, per_rank in run.get("state_bytes_by_rank", {}).items():
+        cells = []
+        for rank, kinds in enumerate(per_rank):
+            parts = " + ".join(f"{kind} {size / MIB:.2f}" for kind, size in kinds.items())
+            cells.append(f"rank {rank}: {parts} = {sum(kinds.values()) / MIB:.2f}")
+        lines.append(f"  {mode_label(name, run.get('optimizer', 'adamw')):32} {'; '.join(cells)}")
+    return lines
 
 
 def _slowest_rank(ranks: list[dict], key: str, name: str) -> list[float]:
@@ -266,11 +354,14 @@ def mode_table(run: dict) -> str:
         f"{'mode':32} {'median ms':>9} {'p10-p90 ms':>13} {'steady ms':>9} {'tok/s':>8} {'vs sync':>7} "
         f"{'state MiB':>9} {'peak MiB':>8} {'wire MiB':>8} {'loss':>13}"
     )
-    rows = [_mode_row(name, stats) for name, stats in run["modes"].items()]
+    rows = [
+        _mode_row(mode_label(name, run.get("optimizer", "adamw")), stats)
+        for name, stats in run["modes"].items()
+    ]
     return "\n".join([header, "-" * len(header), *rows])
 
 
-def _mode_row(name: str, s: dict) -> str:
+def _mode_row(name_label: str, s: dict) -> str:
     spread_ms = f"{s['p10_s'] * 1e3:.0f}-{s['p90_s'] * 1e3:.0f}"
     state = f"{s['state_bytes_per_rank'] / MIB:.2f}" if "state_bytes_per_rank" in s else "-"
     peak = f"{s['peak_bytes_per_rank'] / MIB:.1f}" if "peak_bytes_per_rank" in s else "-"
@@ -278,7 +369,7 @@ def _mode_row(name: str, s: dict) -> str:
     ratio = f"{s['ratio_vs_sync']:.3f}" if "ratio_vs_sync" in s else "-"
     steady = f"{s['steady_median_s'] * 1e3:.1f}" if "steady_median_s" in s else "-"
     return (
-        f"{LABELS[name]:32} {s['median_s'] * 1e3:9.1f} {spread_ms:>13} {steady:>9} {s['tokens_per_s']:8.0f} "
+        f"{name_label:32} {s['median_s'] * 1e3:9.1f} {spread_ms:>13} {steady:>9} {s['tokens_per_s']:8.0f} "
         f"{ratio:>7} {state:>9} {peak:>8} {s['comm_bytes']['wire_per_rank'] / MIB:8.2f} {loss:>13}"
     )
 
@@ -294,8 +385,8 @@ def scaling_table(runs: list[dict]) -> str:
             s = run["modes"][name]
             speedup = f"{s['tokens_per_s'] / base:7.2f}" if base else f"{'-':>7}"
             lines.append(
-                f"{LABELS[name]:32} {run['world_size']:5d} {s['tokens_per_s_per_rank']:10.0f} "
-                f"{s['tokens_per_s']:11.0f} {speedup}"
+                f"{mode_label(name, run.get('optimizer', 'adamw')):32} {run['world_size']:5d} "
+                f"{s['tokens_per_s_per_rank']:10.0f} {s['tokens_per_s']:11.0f} {speedup}"
             )
     return "\n".join(lines)
 

@@ -3,6 +3,7 @@ memory pass. Functions here are module-level so ``sharded_opt.spawn`` can pickle
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
 import time
@@ -23,12 +24,14 @@ from benchmarks.modes import (
     AdamWConfig,
     CommOnlyRunner,
     ModeSpec,
+    MuonConfig,
     Runner,
     build_compute_runner,
     build_runner,
     comm_bytes_per_step,
 )
 from benchmarks.netns import LinkConfig, link_group, link_tx_bytes
+from benchmarks.step_split import StepClock, block_split, step_clock
 from benchmarks.trace_analysis import profiler_options
 
 
@@ -66,17 +69,33 @@ class RunConfig:
     """Ranks per shard group of the ``hybrid`` mode (``--degree``)."""
     gloo_point_to_point: bool = False
     """The wrapper's reductions and all-gathers over gloo point-to-point messages (``--gloo-p2p``)."""
+    optimizer: str = "adamw"
+    """AdamW over every param, or ``"muon"``: Muon over the hidden matrices and AdamW over the
+    rest, with each block's time split into communication, Newton-Schulz and the rest on CPU
+    ranks (``benchmarks.step_split``)."""
+    muon: MuonConfig = MuonConfig()
 
     @property
     def total_steps(self) -> int:
         return self.warmup + self.rounds * self.steps_per_round + self.steady_rounds * self.steady_steps
 
 
+def splits_steps(config: RunConfig) -> bool:
+    """Whether :func:`compare_rank` splits each block's time (Muon, CPU ranks; see ``step_split``)."""
+    return config.optimizer == "muon" and not torch.accelerator.is_available()
+
+
 def compare_rank(config: RunConfig) -> dict:
     """Train every mode on the same batches, interleaved block by block (short blocks, then long
     steady-state blocks), and return this rank's block times, losses, state/comm bytes, param
-    agreement and (rank 0) one overlap step's events."""
+    agreement and (rank 0) one overlap step's events; with Muon on CPU, each block's split too."""
     torch.set_num_threads(config.threads)
+    with contextlib.ExitStack() as stack:
+        clock = stack.enter_context(step_clock()) if splits_steps(config) else None
+        return _compare(config, clock)
+
+
+def _compare(config: RunConfig, clock: StepClock | None) -> dict:
     group = link_group(config.link) if config.link else dist.group.WORLD
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     spec = _mode_spec(config, group)
@@ -85,17 +104,28 @@ def compare_rank(config: RunConfig) -> dict:
     if config.comm_only and "sync" in runners and world_size > 1:
         runners[COMM_ONLY] = CommOnlyRunner(runners["sync"])
         runners[COMPUTE_ONLY] = build_compute_runner(spec)
+    if clock is not None and "ddp" in runners:
+        clock.watch_ddp(runners["ddp"].model, runners["ddp"].forward, runners["ddp"].optimizer)
     losses: dict[str, list[float]] = {name: [] for name in runners}
     _warm_up(runners, batches[: config.warmup], losses)
+    if clock is not None and config.warmup and not clock.totals["newton_schulz_calls"]:
+        raise RuntimeError(
+            "Muon stepped but torch.optim._muon._zeropower_via_newtonschulz was never called: this "
+            "torch's Muon orthogonalizes elsewhere; update benchmarks/step_split.py"
+        )
     short_end = config.warmup + config.rounds * config.steps_per_round
     show = rank == 0
+    splits: dict[str, dict[str, list[float]]] = {name: {} for name in runners}
+    short = batches[config.warmup : short_end]
     times = _timed_rounds(
-        runners, batches[config.warmup : short_end], config.steps_per_round, losses, group, show
+        runners, short, config.steps_per_round, losses, group, show, clock=clock, splits=splits
     )
     link_bytes: dict[str, list[float]] = {name: [] for name in runners}
+    steady_splits: dict[str, dict[str, list[float]]] = {name: {} for name in runners}
     steady = _timed_rounds(
-        runners, batches[short_end:], config.steady_steps, losses, group, show, config.link, link_bytes
-    )
+        runners, batches[short_end:], config.steady_steps, losses, group, show, config.link, link_bytes,
+        clock=clock, splits=steady_splits,
+    )  # fmt: skip
     result = {
         "rank": rank,
         "world_size": world_size,
@@ -112,6 +142,12 @@ def compare_rank(config: RunConfig) -> dict:
     if config.link is not None and rank % config.link.ranks_per_node == 0:
         # This node's share of the bytes that crossed the emulated link, per step (steady blocks).
         result["link_tx_bytes_per_step"] = {n: statistics.median(v) for n, v in link_bytes.items() if v}
+    if clock is not None:
+        result["splits"], result["steady_splits"] = splits, steady_splits
+    if config.optimizer != "adamw":
+        result["state_bytes_by_optimizer"] = {
+            name: r.state_bytes_by_optimizer() for name, r in runners.items() if name not in PSEUDO_MODES
+        }
     if config.trace_path is not None and "overlap" in runners:
         result["timeline"] = _trace_overlap_step(runners["overlap"], batches[-1:], config.trace_path, rank)
     if config.profile_dir is not None:
@@ -157,6 +193,8 @@ def _mode_spec(config: RunConfig, group: ProcessGroup) -> ModeSpec:
         group,
         config.degree,
         config.gloo_point_to_point,
+        config.optimizer,
+        config.muon,
     )
 
 
@@ -183,11 +221,14 @@ def _timed_rounds(
     show: bool,
     link: LinkConfig | None = None,
     link_bytes: dict[str, list[float]] | None = None,
+    clock: StepClock | None = None,
+    splits: dict[str, dict[str, list[float]]] | None = None,
 ) -> dict[str, list[float]]:
     """Per-step seconds of each block: A B C D A B C D ..., each block ``k`` steps long (one
     round per ``k`` batches) and ending with ``settle`` so its in-flight work is charged to it.
     With ``link`` and ``link_bytes``, also the bytes per step this rank's node sent over the
-    emulated link during each block."""
+    emulated link during each block; with ``clock`` and ``splits``, what the clock added up per
+    step of each block (``splits[mode][key]``, one value per block)."""
     times: dict[str, list[float]] = {name: [] for name in runners}
     bar = tqdm(range(len(batches) // k), desc=f"rounds of {k} steps", disable=not show, leave=False)
     for round_index in bar:
@@ -195,10 +236,14 @@ def _timed_rounds(
         for name, runner in runners.items():
             dist.barrier(group)
             sent = link_tx_bytes(link) if link is not None else 0
+            before = clock.read() if clock is not None else {}
             start = time.perf_counter()
             block_losses = [runner.step(inputs, targets) for inputs, targets in block]
             runner.settle()
             times[name].append((time.perf_counter() - start) / k)
+            if clock is not None and splits is not None:
+                for key, value in block_split(before, clock.read(), k).items():
+                    splits[name].setdefault(key, []).append(value)
             if link is not None and link_bytes is not None:
                 link_bytes[name].append((link_tx_bytes(link) - sent) / k)
             losses[name].extend(loss.item() for loss in block_losses)
@@ -230,7 +275,9 @@ def _param_agreement(runners: dict[str, Runner]) -> dict[str, float]:
 def _bucket_sizes(runners: dict[str, Runner]) -> list[int]:
     for name in ("overlap", "sync"):
         if name in runners:
-            return [bucket.padded_numel for bucket in runners[name].optimizer.plan.buckets]
+            return [
+                bucket.padded_numel for wrapper in runners[name].wrappers for bucket in wrapper.plan.buckets
+            ]
     return []
 
 

@@ -1,5 +1,7 @@
 """pytest-benchmark suite: ``pytest benchmarks --benchmark-only`` (or ``--benchmark-disable`` as a
 one-round smoke). Nothing here asserts on time; comparisons are read from the grouped tables.
+``test_compare_muon_smoke`` runs ``python -m benchmarks.compare --optimizer muon`` end to end at
+tiny sizes and checks what it counts (Newton-Schulz calls per rank, state bytes), not its times.
 
 The two-rank step benchmark runs rank 0 inside pytest and rank 1 in a helper process that
 mirrors every step (told which mode by a one-int broadcast), so pytest-benchmark times real
@@ -8,18 +10,21 @@ two-rank steps with their collectives.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from benchmarks import compare
 from benchmarks.data import DataConfig, RankBatches, stdlib_corpus
-from benchmarks.models import PRESETS, build_model
+from benchmarks.models import PRESETS, build_model, hidden_matrix_names
 from benchmarks.modes import AdamWConfig, ModeSpec, Runner, build_runner
 from fusion import ParamSpec, plan_layout
 from sharded_opt import ShardingStage1
@@ -158,3 +163,36 @@ def _optimizer_with_grads(flat: bool, solo: ProcessGroup) -> torch.optim.Optimiz
 def test_optimizer_step_world_size_1(benchmark, pair: Pair, layout: str) -> None:
     optimizer = _optimizer_with_grads(layout.startswith("flat"), pair.solo)
     benchmark(optimizer.step)
+
+
+MUON_SMOKE = (
+    "--optimizer", "muon", "--model", "tiny", "--micro-batch", "2", "--seq-len", "8", "--warmup", "1",
+    "--rounds", "2", "--steps-per-round", "1", "--steady-rounds", "2", "--steady-steps", "1", "--no-memory",
+)  # fmt: skip
+"""``--optimizer muon`` at the smallest sizes the options allow: 11 s on the 2-core machine, 31 s
+while other jobs loaded it."""
+
+
+def test_compare_muon_smoke(tmp_path: Path) -> None:
+    """``--optimizer muon`` end to end on 2 ranks: every mode's step split, Newton-Schulz on each
+    matrix's owner only under the wrapper, and the optimizer state per rank and class."""
+    compare.main([*MUON_SMOKE, "--out", str(tmp_path)])
+    run = json.loads((tmp_path / "results.json").read_text())["runs"][0]
+    assert run["optimizer"] == "muon" and run["agreement"]["agree"]
+    matrices = len(hidden_matrix_names(build_model("tiny", seed=0)))
+    for method in ("block", "steady"):
+        split = run["split"][method]
+        assert set(split) == {"ddp", "sync", "overlap", "comm", "compute"}
+        assert [row["newton_schulz_calls"] for row in split["ddp"]["by_rank"]] == [matrices] * 2
+        for mode in ("sync", "overlap"):
+            assert sum(row["newton_schulz_calls"] for row in split[mode]["by_rank"]) == matrices
+            assert split[mode]["mean"]["comm_s"] > 0
+        assert split["compute"]["mean"]["comm_s"] == 0
+        for found in split.values():
+            mean = found["mean"]
+            assert mean["rest_s"] == pytest.approx(mean["step_s"] - mean["comm_s"] - mean["newton_schulz_s"])
+    state = run["state_bytes_by_rank"]
+    ddp_muon, ddp_adamw = state["ddp"][0]["Muon"], state["ddp"][0]["AdamW"]
+    for mode in ("sync", "overlap"):
+        assert sum(rank["Muon"] for rank in state[mode]) == ddp_muon  # each momentum on its owner only
+        assert all(0 < rank["AdamW"] < ddp_adamw for rank in state[mode])

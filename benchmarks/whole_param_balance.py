@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.models import build_model
+from benchmarks.models import build_model, hidden_matrix_names
 from fusion.bucket_sizing import default_bucket_sizes, trainable_bytes
 from fusion.layout import DEFAULT_ALIGN_BYTES, LayoutPlan, ParamSpec, plan_layout
 from sharded_opt.optimizer_needs import ADAFACTOR, MUON, OptimizerNeeds
@@ -33,7 +33,8 @@ def gpt_shapes() -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     """(Muon's shapes, every shape) of the default benchmark GPT, in registration order."""
     model = build_model("default", seed=0)
     shapes = [tuple(p.shape) for p in model.parameters()]
-    matrices = [tuple(p.shape) for name, p in model.named_parameters() if p.ndim == 2 and "blocks." in name]
+    hidden = hidden_matrix_names(model)
+    matrices = [tuple(p.shape) for name, p in model.named_parameters() if name in hidden]
     return matrices, shapes
 
 

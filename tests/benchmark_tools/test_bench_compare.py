@@ -204,6 +204,42 @@ def test_degree_must_divide_every_world_size(capsys):
     assert "--degree must be >= 1 and divide every world size (4,)" in capsys.readouterr().err
 
 
+def test_muon_runs_ddp_sync_and_overlap(capsys):
+    """AdamW keeps every mode; Muon runs DDP, sync and overlap (hybrid with --degree), not zero."""
+    assert compare.parse_args([]).base.modes == ("ddp", "zero", "sync", "overlap")
+    muon = compare.parse_args(["--optimizer", "muon"]).base
+    assert muon.optimizer == "muon" and muon.modes == ("ddp", "sync", "overlap")
+    assert compare.parse_args(["--optimizer", "muon", "--degree", "1"]).base.modes[-1] == "hybrid"
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--optimizer", "muon", "--modes", "ddp,zero"])
+    assert "--optimizer muon runs the modes ddp,sync,overlap,hybrid only" in capsys.readouterr().err
+
+
+def _split(comm: float, newton_schulz: float, calls: int, work: int) -> dict[str, list[float]]:
+    """One mode's per-block split on one rank (two blocks alike)."""
+    row = {"comm_s": comm, "newton_schulz_s": newton_schulz, "newton_schulz_calls": calls}
+    return {key: [value, value] for key, value in {**row, "newton_schulz_work": work}.items()}
+
+
+def test_step_split_per_rank_means_and_balance():
+    """rest = step - comm - Newton-Schulz on each rank (its own medians); the means add up; max/mean
+    of Newton-Schulz time and work over ranks."""
+    ranks = [
+        {"times": {"sync": [0.100, 0.100]}, "splits": {"sync": _split(0.030, 0.020, 3, 300)}},
+        {"times": {"sync": [0.102, 0.102]}, "splits": {"sync": _split(0.012, 0.040, 5, 500)}},
+    ]
+    sync = report.step_split(ranks, "times", "splits")["sync"]
+    assert [row["rest_s"] for row in sync["by_rank"]] == pytest.approx([0.050, 0.050])
+    mean = sync["mean"]
+    assert mean["step_s"] == pytest.approx(0.101) and mean["newton_schulz_s"] == pytest.approx(0.030)
+    assert mean["rest_s"] == pytest.approx(mean["step_s"] - mean["comm_s"] - mean["newton_schulz_s"])
+    assert sync["newton_schulz_max_s"] == pytest.approx(0.040)
+    assert sync["newton_schulz_max_over_mean"] == pytest.approx(0.040 / 0.030)
+    assert sync["work_max_over_mean"] == pytest.approx(500 / 400)
+    table = report.split_table({"split": {"block": {"sync": sync}}, "optimizer": "muon"})
+    assert "ShardingStage1 sync" in table and "3/5" in table
+
+
 def test_tiny_run_profiles_every_mode(tmp_path):
     """End to end on the tiny GPT: both methods and both pseudo-modes are measured, and
     ``--profile`` leaves one Chrome trace per mode."""
