@@ -97,3 +97,14 @@ def test_design_page_indexes_every_note() -> None:
         f"missing from docs/design.md: {sorted(defined - indexed)}; "
         f"indexed but not defined there: {sorted(indexed - defined)}"
     )
+
+
+def test_performance_page_lists_every_results_file() -> None:
+    """Each dated results write-up is summarized in one row of docs/performance.md's table."""
+    listed = (ROOT / "docs" / "performance.md").read_text()
+    missing = [
+        path.name
+        for path in sorted((ROOT / "benchmarks" / "results").glob("*.md"))
+        if f"`{path.name}`" not in listed
+    ]
+    assert not missing, f"add a row for each to docs/performance.md's results table: {missing}"
