@@ -45,6 +45,7 @@ from sharded_opt.checkpoint_pieces import ParamPiece, PieceLoadPlanner, PieceSav
 from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.inner_optimizer import load_param_states, param_states
 from sharded_opt.state_dict import describe_param_states, local_pieces
+from sharded_opt.validation import closed_error
 
 if TYPE_CHECKING:
     from sharded_opt.optimizer import ShardingStage1
@@ -71,8 +72,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
     Raises:
         FileExistsError: ``path`` exists and is not a checkpoint written by this function.
     """
-    optimizer.sync_params()
     _check_all_ranks_enter("save_checkpoint", optimizer)
+    optimizer.sync_params()
     final = Path(path)
     _check_destination(final)
     staging = final.with_name(final.name + _PARTIAL_SUFFIX)
@@ -106,8 +107,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
             f"load_checkpoint: {folder} holds no complete checkpoint (no DCP .metadata file); a "
             "save that was interrupted leaves only a '.partial' folder"
         )
-    optimizer.sync_params()
     _check_all_ranks_enter("load_checkpoint", optimizer)
+    optimizer.sync_params()
     reader = dcp.FileSystemReader(folder)
     meta = {_META_NUM_PARAMS: torch.zeros((), dtype=torch.int64)}
     try:
@@ -145,6 +146,8 @@ def _load(state: dict[str, Any], reader: dcp.FileSystemReader, optimizer: Shardi
 
 
 def _check_all_ranks_enter(function: str, optimizer: ShardingStage1) -> None:
+    if optimizer.closed:
+        raise RuntimeError(closed_error(function))
     fix = f"Call {function}(path, model, opt) on every rank; each rank reads or writes its own shard"
     check_all_ranks_enter(function, fix, optimizer.process_group, optimizer.collective_entry_timeout_s)
 

@@ -45,7 +45,7 @@ from sharded_opt.state_dict import StateDictExchange
 from sharded_opt.state_view import ShardedStateView
 from sharded_opt.step_pipeline import StepPipeline, amp_scaling_arguments
 from sharded_opt.strategy import Strategy
-from sharded_opt.validation import check_same_layout, release_communicators
+from sharded_opt.validation import check_same_layout, closed_error, release_communicators
 from sharded_opt.weak_hooks import remove_handles
 from sharded_opt.wrapped_guard import ADD_GROUPS_FIRST, WrappedOptimizerGuard
 from sharded_opt.wrapper_init import ModelAttacher, build_shards, check_locally, plan_buckets
@@ -153,7 +153,7 @@ class ShardingStage1(torch.optim.Optimizer):
         and state are left exactly as they are. Keyword arguments are passed to the wrapped
         optimizer's ``step``. Returns the closure's result (the loss).
         """
-        self._check_open()
+        self._check_open("step")
         self._state_dicts.discard_consolidated()
         loss = None
         if closure is not None:
@@ -348,6 +348,7 @@ class ShardingStage1(torch.optim.Optimizer):
             RuntimeError: only some ranks called it (Note [Collectives entered by some ranks]),
                 or on another rank than the one :meth:`consolidate_state_dict` gathered to.
         """
+        self._check_open("state_dict")
         return self._state_dicts.state_dict(self, to_rank)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -364,6 +365,7 @@ class ShardingStage1(torch.optim.Optimizer):
             ValueError: ``to`` is not a rank of the group.
             RuntimeError: only some ranks called it (see Note [Collectives entered by some ranks]).
         """
+        self._check_open("consolidate_state_dict")
         self._state_dicts.consolidate(to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -377,6 +379,7 @@ class ShardingStage1(torch.optim.Optimizer):
             ValueError: wrong structure, number of groups or params, state keys of another
                 optimizer class or configuration, or state shapes that do not match the params.
         """
+        self._check_open("load_state_dict")
         self._state_dicts.load_state_dict(self, state_dict)
 
     # -- internals -------------------------------------------------------------------------
@@ -393,12 +396,15 @@ class ShardingStage1(torch.optim.Optimizer):
         # At interpreter exit the process group may be gone; there is nothing to wait for then.
         self._release.atexit = False
 
-    def _check_open(self) -> None:
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (or a ``with`` block ended): the hooks and, when it spans
+        the world, the process groups are gone, so ``step()`` and the state-dict methods raise."""
+        return self._closed
+
+    def _check_open(self, method: str) -> None:
         if self._closed:
-            raise RuntimeError(
-                "ShardingStage1.step: this optimizer was closed (close() or the end of its `with` "
-                "block) and its hooks are gone; build a new ShardingStage1 to keep training"
-            )
+            raise RuntimeError(closed_error(f"ShardingStage1.{method}"))
 
     def __reduce_ex__(self, protocol: int) -> Any:
         """Refuse pickling and ``copy.deepcopy``: a copy would share or lose the process group,

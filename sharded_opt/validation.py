@@ -320,6 +320,15 @@ def release_communicators(world: ProcessGroup, others: list[ProcessGroup | None]
         dist.destroy_process_group(group)
 
 
+def closed_error(caller: str) -> str:
+    """The message for a call on a closed wrapper: its hooks, and groups it created, are gone."""
+    return (
+        f"{caller}: this ShardingStage1 was closed (close() or the end of its `with` block); its hooks "
+        "and the process groups it created are gone. Save state (state_dict(), save_checkpoint) "
+        "before closing, or build a new ShardingStage1 over the same optimizer to keep training"
+    )
+
+
 def check_same_layout(specs: list[ParamSpec], group: ProcessGroup, world_size: int) -> None:
     """Raise on every rank if any rank's params differ from rank 0's (collective)."""
     signature = [

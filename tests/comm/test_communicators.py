@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy, save_checkpoint
 from tests.dist_helper import run_ranks
 
 # A mismatch between wrappers shows as wrong numbers, a collective error or a hang; a short
@@ -176,3 +176,33 @@ def _close_on_rank_zero_only() -> str:
 def test_close_on_one_rank_only_names_the_mistake() -> None:
     message = run_ranks(_close_on_rank_zero_only, 2)[0]
     assert "call it on every rank" in message
+
+
+def _calls_after_close(tmp_path: str) -> list[str]:
+    """Every entry point that would communicate, called after a collective close()."""
+    model = nn.Linear(4, 4)
+    optimizer = ShardingStage1(torch.optim.AdamW(model.parameters()), model=model)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    optimizer.close()
+    calls = {
+        "ShardingStage1.step": optimizer.step,
+        "ShardingStage1.state_dict": optimizer.state_dict,
+        "ShardingStage1.consolidate_state_dict": optimizer.consolidate_state_dict,
+        "ShardingStage1.load_state_dict": lambda: optimizer.load_state_dict(saved),
+        "save_checkpoint": lambda: save_checkpoint(tmp_path, model, optimizer),
+    }
+    messages = []
+    for caller, call in calls.items():
+        with pytest.raises(RuntimeError, match=rf"^{caller}: this ShardingStage1 was closed") as error:
+            call()
+        messages.append(str(error.value))
+    return messages
+
+
+def test_calls_after_close_say_it_was_closed_not_that_a_group_is_invalid(tmp_path) -> None:
+    """close() destroyed the wrapper's groups: later calls name the close, not torch's
+    "Invalid process group" from the first collective."""
+    for messages in run_ranks(_calls_after_close, 2, str(tmp_path / "ckpt")):
+        assert all("save state (state_dict(), save_checkpoint) before closing" in m.lower() for m in messages)

@@ -482,7 +482,7 @@ def test_close_and_context_manager_remove_every_hook(single_rank_group) -> None:
         assert _hook_counts(model) != hooks_before
         _train(model, optimizer, 1)
     assert _hook_counts(model) == hooks_before
-    with pytest.raises(RuntimeError, match=r"ShardingStage1.step: this optimizer was closed .* build a new"):
+    with pytest.raises(RuntimeError, match=r"ShardingStage1.step: this ShardingStage1 was closed .* new"):
         optimizer.step()
     # The original torch optimizer is free again: wrap it anew (it never stepped itself).
     rewrapped = ShardingStage1(original, strategy=_strategy(True), model=model)
