@@ -111,6 +111,16 @@ class GradPresence:
             self._pending[bucket_index] = (shared, offset)
             offset += len(self._buckets[bucket_index].slots)
 
+    def ranks_flagging(self, flag: bool) -> list[int]:
+        """The global ranks whose ``flag`` is set, agreed now by every rank of the group (a
+        blocking all-reduce of one byte per rank; none on a single rank)."""
+        if self._world_size == 1:
+            return [dist.get_rank()] if flag else []
+        flags = torch.zeros(self._world_size, dtype=torch.uint8, device=self._device)
+        flags[dist.get_rank(self.group)] = flag
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return [dist.get_global_rank(self.group, rank) for rank, set_ in enumerate(flags.tolist()) if set_]
+
     def unshared(self) -> list[int]:
         """Buckets whose flags were not shared this iteration, in bucket order."""
         return [bucket.index for bucket in self._buckets if bucket.index not in self._pending]

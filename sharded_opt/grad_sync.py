@@ -28,6 +28,9 @@ Note [Collectives from agreed state]
     - Which shards are stepped and all-gathered (``StepPipeline.step`` in ``step_pipeline``):
       the agreed presence flags; the all-gathers in the one gather order. Per-module waits for
       them issue nothing.
+    - Whether the all-gathers run at all after the wrapped class's ``step``: that step may raise
+      on some ranks only (each steps other params), so a one-byte-per-rank all-reduce agrees on
+      it first (Note [A step that raises on some ranks] in ``step_pipeline``).
     - The replica all-reduce of hybrid sharding: one after each bucket's reduce-scatter, issued
       in bucket order (Note [Replica all-reduce order] in ``bucket_comm``).
     - ``clip_grad_norm_`` (one norm all-reduce), the scaler (one found-inf all-reduce per

@@ -29,6 +29,20 @@ Note [Step pipeline]
     latter queues them in backward order, and gloo runs a group's collectives in issue order,
     so the next forward's first module (last bucket) would wait for every all-gather; see
     ``benchmarks/results/2026-12-03-pipeline-cpu-2core.md`` for both measured.
+
+Note [A step that raises on some ranks]
+    The wrapped class's ``step`` can raise on some ranks only: each rank steps other params (a
+    whole param lives on one rank for Muon and Adafactor, and a small one inside one shard for
+    every class), and torch's classes raise on some params (Adafactor divides by a zero-element
+    param's size; fused SGD refuses a param's first step after others had theirs). A rank that
+    raised would skip its all-gathers while the others wait in them until the collective
+    timeout. So after the local step every rank all-reduces one flag per rank on the presence
+    group (``GradPresence.ranks_flagging``, CPU gloo where the reductions run on gloo), decided by what
+    happened on that rank, and then issues the all-gathers on every rank or on none: a rank that
+    raised raises its own error, the others a ``RuntimeError`` naming those ranks. As when a
+    torch optimizer raises, the step is then partly applied (this rank's shard may have
+    changed). The cost is one all-reduce of ``world_size`` bytes per step, waited for before
+    the all-gathers start.
 """
 
 from __future__ import annotations
@@ -102,16 +116,33 @@ class StepPipeline:
         [Step pipeline]."""
         self._sync_hyperparameters()
         order = [shard.bucket.index for shard in self._comm.live_shards()]  # the landing order
-        if not self.step_per_bucket:
-            self._grad_sync.finish_grad_sync(order)
-            stepped = self._step_buckets(order, kwargs)
-        else:
-            stepped = []
-            for bucket_index in order:
-                self._grad_sync.finish_grad_sync([bucket_index])
-                stepped += self._step_buckets([bucket_index], kwargs)
+        batches = [[index] for index in order] if self.step_per_bucket else [order]
+        stepped: list[int] = []
+        error: Exception | None = None
+        for batch in batches:
+            self._grad_sync.finish_grad_sync(batch)  # every reduction finishes, even after an error
+            if error is None or not self.step_per_bucket:
+                try:
+                    stepped += self._step_buckets(batch, kwargs)
+                except Exception as raised:  # noqa: BLE001 - agreed on, then raised below
+                    error = raised
+        self._agree_on_errors(error)
         self._param_sync.start_param_sync(stepped)
         self._mark_params_updated(stepped)
+
+    def _agree_on_errors(self, error: Exception | None) -> None:
+        """Raise on every rank when the wrapped step raised on any; see Note [A step that raises
+        on some ranks]."""
+        failed = self._grad_sync.presence.ranks_flagging(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(
+                f"ShardingStage1.step: the wrapped optimizer's step raised on rank(s) {failed} (their "
+                "error is raised there), so no rank shares its updated params. As when a torch "
+                "optimizer's step raises, this step is partly applied: restore from a checkpoint, "
+                "or fix the cause and keep training"
+            )
 
     def _mark_params_updated(self, bucket_indices: list[int]) -> None:
         """Bump the version counter of every param the step changed, as torch's in-place

@@ -77,18 +77,38 @@ OPTIMIZERS = {
     "adamax": lambda params, **flags: torch.optim.Adamax(params, lr=1e-2, **flags),
     "asgd": lambda params, **flags: torch.optim.ASGD(params, lr=1e-2, t0=2, **flags),
     "adamw_fused": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True),
+    "adafactor": lambda params, **flags: torch.optim.Adafactor(params, lr=1e-2, weight_decay=0.01, **flags),
+    "muon": lambda params: torch.optim.Muon(_matrices(params), lr=2e-2, weight_decay=0.01),
 }
 """Each takes ``foreach=True`` or ``fused=True`` too (``Program.kernels``), except
-``adamw_fused``, which is fused already."""
+``adamw_fused``, which is fused already, and ``muon``, which has one kernel. Adafactor and Muon
+step whole params (``sharded_opt.OptimizerNeeds``); Muon trains the matrices only, as its users
+give it (the other params keep their values in both runs)."""
+
+
+def _matrices(params: list) -> list:
+    """``params`` (a list of tensors or of param groups) without the params that are not 2-D."""
+    if params and isinstance(params[0], dict):
+        return [{**group, "params": [p for p in group["params"] if p.ndim == 2]} for group in params]
+    return [p for p in params if p.ndim == 2]
+
 
 FUSED_ON_CPU = frozenset({"adam", "adamw", "adamw_amsgrad", "adagrad"})
 """The classes drawn with fused CPU kernels: torch 2.13's Adam, AdamW and Adagrad. Its fused SGD
 with momentum raises ("TypeError: expected Tensor as element 1 in argument 2, but got
 NoneType") when a param gets its first step after others got theirs, which the programs'
-freezing does all the time; in the wrapper only the ranks holding such a param raise, and the
-others wait in the next collective (seen as hangs in the seed-23 campaign)."""
+freezing does all the time: such programs would mostly end at that error, in both runs alike
+(Note [A step that raises on some ranks] in ``sharded_opt.step_pipeline``)."""
 
-CLOSE_ACROSS_KERNELS = frozenset(OPTIMIZERS) - {"asgd", "nadam", "radam", "adamw_fused", "sgd_nesterov"}
+CLOSE_ACROSS_KERNELS = frozenset(OPTIMIZERS) - {
+    "asgd",
+    "nadam",
+    "radam",
+    "adamw_fused",
+    "sgd_nesterov",
+    "adafactor",
+    "muon",
+}
 """Classes whose kernels may differ between the runs (``Program.kernels``): their foreach
 kernels give bitwise the for-loop's results on CPU, and their fused ones (where they exist) at
 most 3.6e-8 relative off after 6 steps, far below the params' tolerance. ASGD's foreach path
@@ -96,7 +116,8 @@ differs by up to 3e-7 relative, NAdam's and RAdam's by 5e-8 (measured on four pa
 foreach path with Nesterov momentum and no weight decay adds the momentum into ``p.grad`` in
 place, so a second step with the same grads (``step_twice``, a step without backward, grads
 accumulated on) differs from the for-loop's: 0.432 against 0.576 after two steps of one
-param, in torch alone."""
+param, in torch alone. Adafactor's foreach path is not compared with its for-loop here, and Muon
+has a single kernel."""
 
 
 def make_optimizer(name: str, params: list, kernels: str) -> torch.optim.Optimizer:
@@ -521,7 +542,9 @@ class PlainRun:
         for index, master in enumerate(self.masters):
             grad = _average([grads[index] for grads in self.slice_grads], params[index].dtype, self.degree)
             master.grad = None if grad is None else grad.to(master.dtype)
-        with_grads = [m for m in self.masters if m.grad is not None]
+        # The wrapper clips the grads of its optimizer's params only (Muon holds the matrices).
+        stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        with_grads = [m for m in self.masters if m.grad is not None and id(m) in stepped]
         step_with(
             self.optimizer,
             self.scaler,
@@ -1002,8 +1025,8 @@ def _for_optimizer(program: Program, name: str) -> Program:
     its step ``found_inf``, so plain torch itself then fails ("Expected grad_scale and
     found_inf to be None")."""
     wrapped, plain = ("default" if k == "fused" and name not in FUSED_ON_CPU else k for k in program.kernels)
-    if name == "adamw_fused":
-        wrapped = plain = "default"  # fused already
+    if name in ("adamw_fused", "muon"):
+        wrapped = plain = "default"  # fused already, or a single kernel
     if wrapped != plain and (program.scaler or name not in CLOSE_ACROSS_KERNELS):
         plain = wrapped
     if "fused" in name or "fused" in (wrapped, plain):
