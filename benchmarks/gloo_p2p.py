@@ -32,7 +32,7 @@ from sharded_opt import ShardingStage1, collectives, spawn
 def _variants(opt: ShardingStage1) -> dict[str, Callable[[], None]]:
     """Each variant issues its collective for every bucket, then waits for all of them."""
     group = opt.process_group
-    comm = opt._shards.comm
+    comm = opt.shards.comm
     grads = [g for g in comm.buffers.grad_buffers if g is not None]
     outputs = [shard.reduced_grad for shard in comm.live_shards()]
     params = [comm.buffers.param_buffers[shard.bucket.index] for shard in comm.live_shards()]

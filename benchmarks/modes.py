@@ -167,7 +167,7 @@ class Runner:
         found: dict[str, int] = {}
         for optimizer in self.optimizers:
             if isinstance(optimizer, ShardingStage1):
-                name = type(optimizer._shards.inner).__name__  # the wrapped class; no public name for it
+                name = type(optimizer.shards.inner).__name__  # the wrapped class; no public name for it
                 found[name] = found.get(name, 0) + optimizer.optimizer_state_bytes()
                 continue
             inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
@@ -196,7 +196,7 @@ class CommOnlyRunner(Runner):
     def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
         # Every wrapper's collectives (Muon's and AdamW's) in flight together, each wrapper on a
         # group of its own, as in a step. No public comm-only entry point yet.
-        comms = [(wrapper._shards.comm, wrapper.plan) for wrapper in self.wrappers]
+        comms = [(wrapper.shards.comm, wrapper.plan) for wrapper in self.wrappers]
         for comm, plan in comms:
             for bucket in plan.buckets:
                 comm.start_grad_sync(bucket.index)

@@ -119,7 +119,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
             f"load_checkpoint: {folder} could not be read (damaged files, or not written by "
             f"save_checkpoint); nothing was changed. DCP reported: {error}"
         ) from error
-    num_params = len(optimizer._shards.buffers.params)
+    num_params = len(optimizer.shards.buffers.params)
     if int(meta[_META_NUM_PARAMS]) != num_params:
         raise ValueError(
             f"load_checkpoint: the checkpoint at {folder} holds {int(meta[_META_NUM_PARAMS])} optimizer "
@@ -159,12 +159,12 @@ def _model_entries(model: nn.Module) -> dict[str, Tensor]:
 def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ParamPiece]:
     """DCP entries for the optimizer, see Note [Checkpoint layout]."""
     entries: dict[str, Tensor | ParamPiece] = {
-        _META_NUM_PARAMS: torch.tensor(len(optimizer._shards.buffers.params), dtype=torch.int64)
+        _META_NUM_PARAMS: torch.tensor(len(optimizer.shards.buffers.params), dtype=torch.int64)
     }
     for group_index, group in enumerate(optimizer.param_groups):
         entries.update(_hyperparameter_entries(group_index, group))
-    local = param_states(optimizer._shards.inner, optimizer._shards.comm.live_shards())
-    descriptions = describe_param_states(optimizer._shards, local)
+    local = param_states(optimizer.shards.inner, optimizer.shards.comm.live_shards())
+    descriptions = describe_param_states(optimizer.shards, local)
     per_param = _PerParamEntries(optimizer, writing=True)
     for index, description in descriptions.items():
         for key, (kind, value) in description.items():
@@ -176,7 +176,7 @@ def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ParamPiece]:
                     entries[name] = value
             else:
                 entries[name] = per_param.entry(index, local.get(index, {}).get(key), value)
-    for shard in optimizer._shards.comm.live_shards():
+    for shard in optimizer.shards.comm.live_shards():
         master = shard.master
         if master is None:
             continue
@@ -203,11 +203,11 @@ class _LoadPlan:
             if parsed is None or not hasattr(meta, "properties"):
                 continue
             index, key = parsed
-            if not 0 <= index < len(optimizer._shards.buffers.params):
+            if not 0 <= index < len(optimizer.shards.buffers.params):
                 raise ValueError(f"load_checkpoint: the checkpoint holds state for unknown param {index}")
             if (
                 key is None
-                and not optimizer._shards.comm.precisions[optimizer.plan.slot(index).bucket_index].has_master
+                and not optimizer.shards.comm.precisions[optimizer.plan.slot(index).bucket_index].has_master
             ):
                 continue  # saved with a master copy, loaded without one: the params are the truth
             dtype = meta.properties.dtype
@@ -233,15 +233,15 @@ class _LoadPlan:
             else:
                 states.setdefault(index, {})[key] = value
         for index in states:
-            optimizer._shards.materialize(optimizer.plan.slot(index).bucket_index)
-        pieces = local_pieces(optimizer._shards)
+            optimizer.shards.materialize(optimizer.plan.slot(index).bucket_index)
+        pieces = local_pieces(optimizer.shards)
         local_states = {index: state for index, state in states.items() if index in pieces}
         for group_index, group in enumerate(optimizer.param_groups):
             _restore_hyperparameters(group_index, group, loaded)
-        shards = optimizer._shards
+        shards = optimizer.shards
         load_param_states(shards.inner, shards.comm.live_shards(), local_states, optimizer.param_groups)
         with torch.no_grad():
-            for shard in optimizer._shards.comm.live_shards():
+            for shard in optimizer.shards.comm.live_shards():
                 if shard.master is None:
                     continue
                 for piece in shard.pieces:
@@ -267,14 +267,14 @@ class _PerParamEntries:
 
     def __init__(self, optimizer: ShardingStage1, writing: bool) -> None:
         self._optimizer = optimizer
-        self.pieces = local_pieces(optimizer._shards)
+        self.pieces = local_pieces(optimizer.shards)
         groups = optimizer.shard_groups
-        self._writes = not writing or groups.replica_rank == 0 or not optimizer._shards.comm.sharded
+        self._writes = not writing or groups.replica_rank == 0 or not optimizer.shards.comm.sharded
 
     def entry(self, index: int, local: Tensor | None, dtype: torch.dtype) -> Tensor | ParamPiece:
         """``local`` holds this rank's elements of param ``index`` (None: this rank has none)."""
-        numel = self._optimizer._shards.buffers.params[index].numel()
-        if not self._optimizer._shards.comm.sharded:
+        numel = self._optimizer.shards.buffers.params[index].numel()
+        if not self._optimizer.shards.comm.sharded:
             if local is None:
                 raise RuntimeError(f"checkpoint: unsharded state of param {index} is missing")
             return local

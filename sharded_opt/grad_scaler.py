@@ -50,13 +50,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not isinstance(optimizer, ShardingStage1):
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         _refuse_fp16_steps(optimizer)
-        optimizer._grad_sync.reduce_grads()
+        optimizer.grad_sync.reduce_grads()
         if not _any_param_has_grad(optimizer):
             # No param has a grad on any rank (a step with no backward since opt.zero_grad()):
             # no flag at all, so GradScaler.step raises on every rank as it does in torch.
             return {}
-        per_device = super()._unscale_grads_(optimizer._shards.inner, inv_scale, found_inf, allow_fp16)
-        optimizer._grad_sync.tracker.accept_grad_writes()
+        per_device = super()._unscale_grads_(optimizer.shards.inner, inv_scale, found_inf, allow_fp16)
+        optimizer.grad_sync.tracker.accept_grad_writes()
         # The stock method has a flag only for devices where this rank's shard has grads, and a
         # rank can hold no param elements at all (a small model: its shards are all padding). So
         # every rank gives a flag for each device of the wrapper's buckets, in one order, and
@@ -65,13 +65,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
             if device not in per_device:
                 per_device[device] = found_inf.to(device, copy=True)
             # Replicas hold equal shards (hybrid sharding): the shard group sees every element.
-            dist.all_reduce(per_device[device], op=dist.ReduceOp.MAX, group=optimizer._shards.comm.group)
+            dist.all_reduce(per_device[device], op=dist.ReduceOp.MAX, group=optimizer.shards.comm.group)
         return per_device
 
 
 def _any_param_has_grad(optimizer: ShardingStage1) -> bool:
     """Whether some param got a grad on some rank (the agreed presence flags: alike everywhere)."""
-    presence = optimizer._grad_sync.presence
+    presence = optimizer.grad_sync.presence
     return any(presence.params_with_grads(bucket.index) for bucket in optimizer.plan.buckets)
 
 
@@ -82,7 +82,7 @@ def _refuse_fp16_steps(optimizer: ShardingStage1) -> None:
     optimizers, so without this check it would train where plain torch refuses."""
     if any(group.get("fused") for group in optimizer.param_groups):
         return
-    if any(precision.master_dtype == torch.float16 for precision in optimizer._shards.comm.precisions):
+    if any(precision.master_dtype == torch.float16 for precision in optimizer.shards.comm.precisions):
         raise ValueError(
             "ShardedGradScaler: attempting to unscale FP16 gradients, which torch.amp.GradScaler "
             "refuses too (small grads would flush to zero). Keep an fp32 master copy: "

@@ -92,6 +92,12 @@ class ShardingStage1(torch.optim.Optimizer):
 
     Grads: ``param.grad`` stays a view of the flat grad buffer and holds this rank's local
     (not averaged) grad; the averaged grad of the local shard is what the optimizer steps.
+
+    The runtime pieces are attributes for the library's own checkpointing and scaler (and for
+    tests and benchmarks), not for training code: ``plan`` (the bucket layout), ``shards``
+    (:class:`~sharded_opt.optimizer_shards.OptimizerShards`: buffers, per-bucket shards, the
+    wrapped optimizer) and ``grad_sync`` (:class:`~sharded_opt.grad_sync.GradSync`: which grads
+    are ready and present, the reductions).
     """
 
     _step_supports_amp_scaling = True
@@ -120,13 +126,13 @@ class ShardingStage1(torch.optim.Optimizer):
         self.plan, precisions = plan_buckets(optimizer, needs, specs, config, groups)
         # ``self`` owns the param groups; the cycle through it keeps a dropped wrapper (and its
         # hooks) alive until the garbage collector runs, as it always did.
-        self._shards = build_shards(optimizer, self, self.plan, params, precisions, config, groups)
-        self._grad_sync = GradSync(self._shards, self.overlap)
-        self._param_sync = ParamSync(self._shards.comm)
-        self._param_guard = ParamGuard(self._shards.buffers, self._param_sync)
-        self._clipping = GradClipping(self._grad_sync, self._shards.comm, self._param_guard)
-        self._pipeline = StepPipeline(self._shards, self._grad_sync, self._param_sync, needs.state_per_param)
-        self._state_dicts = StateDictExchange(self._shards, self._param_sync, self.collective_entry_timeout_s)
+        self.shards = build_shards(optimizer, self, self.plan, params, precisions, config, groups)
+        self.grad_sync = GradSync(self.shards, self.overlap)
+        self._param_sync = ParamSync(self.shards.comm)
+        self._param_guard = ParamGuard(self.shards.buffers, self._param_sync)
+        self._clipping = GradClipping(self.grad_sync, self.shards.comm, self._param_guard)
+        self._pipeline = StepPipeline(self.shards, self.grad_sync, self._param_sync, needs.state_per_param)
+        self._state_dicts = StateDictExchange(self.shards, self._param_sync, self.collective_entry_timeout_s)
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
         self.state = ShardedStateView()  # type: ignore[assignment]  # Note [No per-param state]
         # The wrapper's groups *are* the wrapped optimizer's group dicts, so a scheduler built on
@@ -136,7 +142,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._layout_frozen = True
         self._track_hooks()
         self._attacher = ModelAttacher(
-            self._shards, self._param_sync, self._param_guard, self._hook_handles, config
+            self.shards, self._param_sync, self._param_guard, self._hook_handles, config
         )
         if model is not None:
             self._attacher.install(model)  # checked by check_locally, before any collective
@@ -171,7 +177,7 @@ class ShardingStage1(torch.optim.Optimizer):
         grad, as after torch's ``zero_grad()``: a param that no backward reaches before the next
         ``step()`` is not stepped."""
         self._param_guard.refuse_converted_before_zero_grad()
-        self._grad_sync.zero_grad(set_to_none)
+        self.grad_sync.zero_grad(set_to_none)
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -224,7 +230,7 @@ class ShardingStage1(torch.optim.Optimizer):
         last backward (outside) then reduces the summed grads. Blocks nest as DDP's do. In sync
         mode communication only happens in ``step()`` anyway, so the block changes nothing.
         """
-        return self._grad_sync.no_sync()
+        return self.grad_sync.no_sync()
 
     def sync_params(self) -> None:
         """Wait until every param holds its updated value (a no-op unless overlap with a model
@@ -293,7 +299,7 @@ class ShardingStage1(torch.optim.Optimizer):
         if release_groups:
             groups = self.shard_groups
             release_communicators(
-                groups.world, [groups.shard, groups.replicate, self._grad_sync.presence.group]
+                groups.world, [groups.shard, groups.replicate, self.grad_sync.presence.group]
             )
 
     def __enter__(self) -> ShardingStage1:
@@ -312,7 +318,7 @@ class ShardingStage1(torch.optim.Optimizer):
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state tensors held by this rank."""
-        return self._shards.optimizer_state_bytes()
+        return self.shards.optimizer_state_bytes()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for training, by kind.
@@ -322,7 +328,7 @@ class ShardingStage1(torch.optim.Optimizer):
         (master copies of the local shard), ``optimizer_state``, ``staging`` (casts of grads to
         ``reduce_dtype`` for the reduce-scatter, Note [Bounded staging] in ``bucket_comm``).
         """
-        return self._shards.memory_bytes()
+        return self.shards.memory_bytes()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_layout_frozen", False):
@@ -391,7 +397,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._hook_handles: list[RemovableHandle] = []
         # The tracker's list, not a copy: it grows when params are unfrozen later.
         self._release = weakref.finalize(
-            self, _release_hooks, self._shards.comm, self._hook_handles, self._grad_sync.tracker.handles
+            self, _release_hooks, self.shards.comm, self._hook_handles, self.grad_sync.tracker.handles
         )
         # At interpreter exit the process group may be gone; there is nothing to wait for then.
         self._release.atexit = False

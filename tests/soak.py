@@ -120,7 +120,7 @@ def _train_step(model: SoakModel, optimizer: ShardingStage1, step: int, plan: St
 
 def _probe(model: SoakModel, optimizer: ShardingStage1, step: int) -> dict:
     optimizer.sync_params()
-    comm = optimizer._shards.comm
+    comm = optimizer.shards.comm
     pending, launched = comm.pending_param_buckets(), comm.launched_grad_buckets()
     live_tensors = live_tensor_count()  # first: its object list must be in every RSS sample alike
     return {

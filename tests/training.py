@@ -157,12 +157,12 @@ def train_sharded(config: RunConfig) -> dict:
         "params": [p.detach().clone() for p in model.parameters()],
         "losses": losses,
         "norms": norms,
-        "state_numel": _state_numel(optimizer._shards.inner),
+        "state_numel": _state_numel(optimizer.shards.inner),
         "trainable_local_numel": sum(
             piece.numel
-            for shard in optimizer._shards.comm.live_shards()
+            for shard in optimizer.shards.comm.live_shards()
             for piece in shard.pieces
-            if optimizer._shards.buffers.params[piece.param_index].requires_grad
+            if optimizer.shards.buffers.params[piece.param_index].requires_grad
         ),
         "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }

@@ -116,9 +116,9 @@ def _wait_for_params() -> dict:
     optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True, model=model)
     model(torch.ones(2, 16)).sum().backward()
     optimizer.step()
-    pending_after_step = optimizer._shards.comm.pending_param_buckets()
+    pending_after_step = optimizer.shards.comm.pending_param_buckets()
     optimizer.wait_for_params(torch.Stream(device="cpu"))
-    pending_after_wait = optimizer._shards.comm.pending_param_buckets()
+    pending_after_wait = optimizer.shards.comm.pending_param_buckets()
     errors = []
     for stream in ("cuda", torch.Stream(device="meta")):
         with pytest.raises((TypeError, ValueError)) as raised:

@@ -100,7 +100,7 @@ def _communicator_timeouts() -> list[float]:
     """The collective timeouts of the wrapper's communicator and of its presence-flag group."""
     generator, _ = _generator_and_discriminator()
     optimizer = ShardingStage1(torch.optim.SGD(generator.parameters(), lr=0.1))
-    groups = (optimizer.process_group, optimizer._grad_sync.presence.group)
+    groups = (optimizer.process_group, optimizer.grad_sync.presence.group)
     return [group._get_backend(torch.device("cpu")).options._timeout.total_seconds() for group in groups]
 
 

@@ -109,7 +109,7 @@ def _observe_overlap() -> dict:
         model=model,
         strategy=Strategy(sharding=ShardingConfig(bucket_size_mb=0.001)),
     )
-    comm = optimizer._shards.comm
+    comm = optimizer.shards.comm
     first_layer = [i for i, p in enumerate(model.parameters()) if any(p is q for q in model.fc1.parameters())]
     seen: dict = {"first_layer_buckets": [optimizer.plan.slot(i).bucket_index for i in first_layer]}
 
@@ -182,13 +182,13 @@ def _record_launch_order() -> tuple[list[int], list[int]]:
         bucket_index = optimizer.plan.slot(index).bucket_index
         param.register_post_accumulate_grad_hook(lambda p, b=bucket_index: arrival.append(b))
     launch: list[int] = []
-    start = optimizer._grad_sync.start_bucket_grad_sync
+    start = optimizer.grad_sync.start_bucket_grad_sync
 
     def recording_start(bucket_index: int) -> None:
         launch.append(bucket_index)
         start(bucket_index)
 
-    optimizer._grad_sync.start_bucket_grad_sync = recording_start
+    optimizer.grad_sync.start_bucket_grad_sync = recording_start
     for step in range(3):
         optimizer.zero_grad()
         model(torch.ones(2, 6), left_first=(rank + step) % 2 == 0).backward()

@@ -62,7 +62,7 @@ def _wrap(model: nn.Module, overlap: bool, bf16: bool) -> ShardingStage1:
 def _record_events(opt: ShardingStage1) -> list[tuple[str, tuple[int, ...]]]:
     """Wrap the communicator's finish/start calls and the inner steps to log them in order."""
     events: list[tuple[str, tuple[int, ...]]] = []
-    comm = opt._shards.comm
+    comm = opt.shards.comm
     bucket_of = {id(p): s.bucket.index for s in comm.live_shards() for p in s.inner_params}
 
     def logged(name, method, buckets_of):
@@ -114,14 +114,18 @@ def _flag_groups() -> dict[str, object]:
         setattr(dist, name, recorder(name))
     try:
         model(_batch(0, torch.float32), use_middle=True).square().mean().backward()
+        flags_before_step = len(used["all_reduce"])
         opt.step()
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
     return {
-        "flag_groups": used["all_reduce"],
+        # The flags travel after the last launch, at the end of backward; the step's own
+        # all-reduce agrees on the wrapped step's errors (Note [A step that raises on some ranks]).
+        "flag_groups": used["all_reduce"][:flags_before_step],
+        "agreement_groups": used["all_reduce"][flags_before_step:],
         "reduction_groups": used["reduction"],
-        "flag_group_ranks": dist.get_process_group_ranks(opt._grad_sync.presence.group),
+        "flag_group_ranks": dist.get_process_group_ranks(opt.grad_sync.presence.group),
         "buckets": len(opt.plan.buckets),
     }
 
@@ -203,6 +207,7 @@ def test_presence_flags_travel_on_a_group_of_their_own_on_gloo(on_two_ranks) -> 
         assert len(set(recorded["reduction_groups"])) == 1
         assert len(recorded["flag_groups"]) == 1
         assert recorded["flag_groups"][0] not in recorded["reduction_groups"]
+        assert recorded["agreement_groups"] == recorded["flag_groups"]
         assert recorded["flag_group_ranks"] == [0, 1]
 
 

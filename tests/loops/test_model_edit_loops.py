@@ -66,7 +66,7 @@ def _buffer_loops(loop_fn: Callable[[Loop], object], late_gathers: bool = False)
 def _flat_storages(opt: torch.optim.Optimizer) -> set[int]:
     if not isinstance(opt, ShardingStage1):
         return set()
-    return {buffer.untyped_storage().data_ptr() for buffer in opt._shards.buffers.param_buffers}
+    return {buffer.untyped_storage().data_ptr() for buffer in opt.shards.buffers.param_buffers}
 
 
 # -- copies of the wrapped model -----------------------------------------------------------------
@@ -825,6 +825,6 @@ def test_a_new_wrapper_over_the_same_params_takes_their_grads(single_rank_group)
             _mse(net, step)(0).backward()
             opt.step()
     torch.testing.assert_close(_snapshot(model), _snapshot(reference), rtol=0, atol=0)
-    assert not any(old._grad_sync.tracker.received), "the old wrapper's hooks still count grads"
+    assert not any(old.grad_sync.tracker.received), "the old wrapper's hooks still count grads"
     old.close()
     new.close()

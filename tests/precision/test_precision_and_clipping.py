@@ -86,10 +86,10 @@ def _master_state_dtypes() -> dict:
     optimizer.zero_grad()
     model(torch.randn(GLOBAL_BATCH, 12, dtype=torch.bfloat16)).sum().backward()
     optimizer.step()
-    shards = optimizer._shards.comm.live_shards()
+    shards = optimizer.shards.comm.live_shards()
     return {
         "state_dtypes": {
-            v.dtype for s in optimizer._shards.inner.state.values() for v in s.values() if v.dim() == 1
+            v.dtype for s in optimizer.shards.inner.state.values() for v in s.values() if v.dim() == 1
         },
         "master_dtypes": {s.master.dtype for s in shards},
         "local_numel": sum(s.master.numel() for s in shards),
@@ -148,7 +148,7 @@ def _master_keeps_precision_and_follows_loaded_params() -> dict:
         model(inputs).sum().backward()
         optimizer.step()
     optimizer.sync_params()
-    masters = torch.cat([s.master for s in optimizer._shards.comm.live_shards()])
+    masters = torch.cat([s.master for s in optimizer.shards.comm.live_shards()])
     keeps_fp32_bits = not torch.equal(masters, masters.to(torch.bfloat16).float())
 
     # Loading weights into the wrapped model must win over the stale master copy.
@@ -346,7 +346,7 @@ def _scaled_tiny_model() -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1)  # 3 elements: the ranks after the first hold only padding
     optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
-    assert dist.get_rank() == 0 or not optimizer._shards.inner.param_groups[0]["params"]
+    assert dist.get_rank() == 0 or not optimizer.shards.inner.param_groups[0]["params"]
     scaler = ShardedGradScaler("cpu", init_scale=2.0**4)
     for step in range(3):
         optimizer.zero_grad()

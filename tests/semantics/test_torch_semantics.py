@@ -278,7 +278,7 @@ def test_scheduler_built_before_wrapping_drives_the_step(single_rank_group) -> N
             opt.zero_grad()
             model(_inputs(step, None, 1)).sum().backward()
             opt.step()
-            lrs.append(opt._shards.inner.param_groups[0]["lr"])
+            lrs.append(opt.shards.inner.param_groups[0]["lr"])
             scheduler.step()
     assert lrs == pytest.approx([1.0, 0.1, 0.01])
     inner.param_groups[0]["custom_key"] = 3
