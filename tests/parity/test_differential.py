@@ -7,7 +7,8 @@ all of them run in one spawn, because starting ranks costs seconds. See ``tests/
 for what a program does and how the reference is computed.
 
 Tolerance. The reference averages the same per-slice grads in the same order as the reduction,
-and every optimizer here is element-wise, so the runs are expected to be bitwise equal, and are,
+and every optimizer here is element-wise or steps each param whole on one rank (Muon, Adafactor:
+the same kernels on the same averaged grad), so the runs are expected to be bitwise equal, and are,
 except where a program clips: measured on the programs of this file, the largest difference is 0
 for every optimizer, fp32 and bf16 with fp32 masters, on 1, 2 and 3 ranks, sync and overlap,
 and at most 3e-8 in the programs that clip (the global norm is summed shard by shard, torch sums
