@@ -244,6 +244,7 @@ class GradReadyTracker:
             return
         params = self._buffers.params
         expected = [0] * len(self._buckets)
+        to_hook = []
         for index in self._buffers.laid_out_indices:
             param = params[index]
             if not param.requires_grad:
@@ -251,7 +252,13 @@ class GradReadyTracker:
             bucket_index = self._bucket_of[index]
             expected[bucket_index] += 1
             if not self._hooked[index]:
-                self._hook(index, bucket_index, param)
+                # Read before any hook is added: giving a bucket its grad buffer points every
+                # param of it at its view, so a grad that arrived before the hook would look like
+                # the view's own for the bucket's later params.
+                arrived = param.grad is not None and param.grad is not self._buffers.grad_views[index]
+                to_hook.append((index, bucket_index, param, arrived))
+        for index, bucket_index, param, arrived in to_hook:
+            self._hook(index, bucket_index, param, arrived)
         self._expected = expected
         self._requires_grad_at_scan = requires_grad
         frozen_in: list[list[int]] = [[] for _ in self._buckets]
@@ -262,8 +269,7 @@ class GradReadyTracker:
         self._frozen_in = frozen_in
         """Per bucket with a grad buffer, its params that do not require grad now."""
 
-    def _hook(self, index: int, bucket_index: int, param: Tensor) -> None:
-        arrived_before_hook = param.grad is not None and param.grad is not self._buffers.grad_views[index]
+    def _hook(self, index: int, bucket_index: int, param: Tensor, arrived_before_hook: bool) -> None:
         self._shards.materialize(bucket_index)
         hook = _AccumulateGradHook(self, index, bucket_index)
         self.handles.append(param.register_post_accumulate_grad_hook(hook))
