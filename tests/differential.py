@@ -420,6 +420,8 @@ class ShardedRun:
         self.outside = make_outside_weight(program)
         set_frozen(self.model, program.frozen_at_wrap)
         self.reads: list[torch.Tensor] = []
+        self.clip_norm: torch.Tensor | None = None
+        """The norm this step's ``clip_grad_norm_`` returned (None: it did not clip)."""
         params = list(self.model.parameters()) + self.outside
         inner = make_optimizer(
             program.optimizer, param_groups(program, self.model, params), program.kernels[0]
@@ -454,7 +456,7 @@ class ShardedRun:
                 loss = slice_loss(self.model, self.outside, spec, step, micro, self.rank, self.world_size)
                 scaled(loss, self.scaler).backward()
         freeze(self.model, spec.freeze_before_step)
-        step_with(self.optimizer, self.scaler, spec, self.optimizer.clip_grad_norm_)
+        step_with(self.optimizer, self.scaler, spec, self._clip)
         if self.scheduler is not None:
             self.scheduler.step()
         read_and_edit(self.model, spec, self.reads)
@@ -463,6 +465,9 @@ class ShardedRun:
         elif spec.zero_grad == "optimizer_keep":
             self.optimizer.zero_grad(set_to_none=False)
         zero_layer_grads(self.model, spec)
+
+    def _clip(self, max_norm: float) -> None:
+        self.clip_norm = self.optimizer.clip_grad_norm_(max_norm)
 
     def params(self) -> list[torch.Tensor]:
         self.optimizer.sync_params()
@@ -510,6 +515,8 @@ class PlainRun:
         self.outside = make_outside_weight(program)
         set_frozen(self.model, program.frozen_at_wrap)
         self.reads: list[torch.Tensor] = []
+        self.sharded_clip_norm: torch.Tensor | None = None
+        """The sharded run's clip norm of the same step, see :meth:`_clip`."""
         params = self.all_params()
         if program.bf16_master:
             self.masters = [p.detach().float().requires_grad_(p.requires_grad) for p in params]
@@ -521,6 +528,25 @@ class PlainRun:
         self.scaler = make_scaler(program, sharded=False)
         self.scheduler = make_scheduler(program.scheduler, self.optimizer)
         self.slice_grads: list[list[torch.Tensor | None]] = [[None] * len(params) for _ in range(world_size)]
+
+    def _clip(self, grads_of: list[torch.Tensor], max_norm: float) -> None:
+        """torch's ``clip_grad_norm_``, scaling by the sharded run's norm of the same step
+        (``sharded_clip_norm``, set by :func:`run_steps`) where the two agree to rounding.
+
+        The two norms sum the same squares in another order (the wrapper shard by shard, torch
+        param by param), so they may differ in their last bit, and so may every clipped grad.
+        With bf16 params that last bit can round a param to the next bf16 value, and every
+        later grad and state element then moves by far more than a rounding error: one bf16
+        ulp of one param put ``exp_avg`` 2.3 % off after the next step (ws-3 campaign, seed
+        8203, program 256). Scaling by the sharded norm keeps the rest of the program exact.
+        Norms further apart are not a rounding matter (this run recomputes a step without
+        backward's grads from the slices, where torch and the wrapper reuse the clipped ones,
+        and the clip leaves the same grads): the plain run's own norm is used then."""
+        norm = torch.nn.utils.get_total_norm([p.grad for p in grads_of])
+        shared = self.sharded_clip_norm
+        if shared is not None and torch.isclose(shared, norm, rtol=1e-6, atol=0.0):
+            norm = shared
+        torch.nn.utils.clip_grads_with_norm_(grads_of, max_norm, norm)
 
     def run_step(self, step: int, spec: StepSpec) -> None:
         set_frozen(self.model, spec.frozen)
@@ -545,12 +571,7 @@ class PlainRun:
         # The wrapper clips the grads of its optimizer's params only (Muon holds the matrices).
         stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         with_grads = [m for m in self.masters if m.grad is not None and id(m) in stepped]
-        step_with(
-            self.optimizer,
-            self.scaler,
-            spec,
-            lambda max_norm: torch.nn.utils.clip_grad_norm_(with_grads, max_norm),
-        )
+        step_with(self.optimizer, self.scaler, spec, lambda max_norm: self._clip(with_grads, max_norm))
         if self.program.bf16_master:
             with torch.no_grad():
                 for param, master in zip(params, self.masters, strict=True):
@@ -658,10 +679,10 @@ def run_steps(
     """Run ``steps`` (numbered from ``first``) in both runs; returns the errors of the first
     step that raised in either (``None`` when none did)."""
     for step, spec in enumerate(steps, start=first):
-        sharded_error, plain_error = (
-            _error_of(sharded.run_step, step, spec),
-            _error_of(plain.run_step, step, spec),
-        )
+        sharded.clip_norm = None
+        sharded_error = _error_of(sharded.run_step, step, spec)
+        plain.sharded_clip_norm = sharded.clip_norm
+        plain_error = _error_of(plain.run_step, step, spec)
         if sharded_error is not None or plain_error is not None:
             return {"step": step, "sharded": sharded_error, "plain": plain_error}
         if spec.swap_state:
