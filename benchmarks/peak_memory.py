@@ -95,18 +95,23 @@ def model_bytes_per_param(mode: str) -> int:
     return 2 if mode.endswith("bf16") else 4
 
 
-def rank_peaks(run: MemoryRun, warm_up: bool) -> dict[str, int]:
-    """Run on every rank: the peak resident bytes of each phase above the bytes before the model.
+def rank_peaks(runs: list[MemoryRun], warm_up: bool) -> list[dict[str, int]]:
+    """Run on every rank: per run, in turn, the peak resident bytes of each phase above the
+    bytes before its model.
 
-    With ``warm_up``, a model of ``TINY_WIDTH`` first goes through the same phases and is
-    dropped: what a process pays once whatever the model (code pages, gloo's and autograd's
-    threads, allocator arenas) is then paid before the baseline is read.
+    With ``warm_up``, a model of ``TINY_WIDTH`` first goes through the same phases in every
+    run's mode and is dropped: what a process pays once whatever the model (code pages, gloo's
+    and autograd's threads, allocator arenas) is then paid before a baseline is read.
     """
     torch.set_num_threads(1)
     if warm_up:
-        _train(dataclasses.replace(run, width=TINY_WIDTH))
+        for run in runs:
+            _train(dataclasses.replace(run, width=TINY_WIDTH))
+    peaks = []
+    for run in runs:
         gc.collect()
-    return _train(run)
+        peaks.append(_train(run))
+    return peaks
 
 
 def _train(run: MemoryRun) -> dict[str, int]:
@@ -168,11 +173,15 @@ def resident_bytes(field: str) -> int:
     raise RuntimeError(f"resident_bytes: no {field} in /proc/self/status")
 
 
-def measure(run: MemoryRun, warm_up: bool) -> dict[str, int]:
-    """Spawn the ranks with the fixed mmap threshold; the largest peak over ranks per phase."""
+def measure(runs: list[MemoryRun], warm_up: bool) -> list[dict[str, int]]:
+    """Spawn the ranks with the fixed mmap threshold and take ``runs`` in turn (all of one world
+    size); per run, the largest peak over ranks per phase."""
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD_BYTES)
-    per_rank = spawn(rank_peaks, (run, warm_up), nprocs=run.world_size, backend="gloo")
-    return {phase: max(peaks[phase] for peaks in per_rank) for phase in PHASES}
+    per_rank = spawn(rank_peaks, (runs, warm_up), nprocs=runs[0].world_size, backend="gloo")
+    return [
+        {phase: max(peaks[index][phase] for peaks in per_rank) for phase in PHASES}
+        for index in range(len(runs))
+    ]
 
 
 def num_params(run: MemoryRun) -> int:
@@ -211,7 +220,7 @@ def main() -> None:
     print("|" + "---|" * len(header))
     for mode in args.modes.split(","):
         run = MemoryRun(mode, args.width, args.layers, args.steps, args.world_size)
-        warmed, raw = measure(run, warm_up=True), measure(run, warm_up=False)
+        (warmed,), (raw,) = measure([run], warm_up=True), measure([run], warm_up=False)
         phases = above_model(run, warmed)
         formula = formula_bytes_per_param(mode, args.world_size) - model_bytes_per_param(mode)
         fixed_mib = (max(raw.values()) - max(warmed.values())) / 2**20

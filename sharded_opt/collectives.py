@@ -46,7 +46,8 @@ Note [Reduce-scatter on gloo]
     within the noise of per-call ones in every run (faster in three, slower in two), and they
     would cost a permanent extra copy of every grad bucket, +4 bytes per fp32 param on every
     rank (ZeRO-1's optimizer state is 12/N). A per-call buffer lives only while its bucket is in
-    flight.
+    flight, and the communicator bounds how many are (Note [Bounded receive buffers] in
+    ``bucket_comm``).
 
     Why it is not the default: gloo posts a message from the calling thread and, on loopback,
     copies it there (``gloo:send``/``gloo:recv`` take 0.6-0.9 ms each on the training thread in

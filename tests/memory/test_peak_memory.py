@@ -15,19 +15,36 @@ import pytest
 from benchmarks.peak_memory import MemoryRun, excess, in_flight_bytes_per_param, measure
 
 EXCESS_BOUND_BYTES_PER_PARAM = 1.5
-"""Above the README's formula, per param, after the warm-up. The issue's bound is 1.0 at 33.6M
-params, where ``python -m benchmarks.peak_memory`` measured +0.5 to +0.8 (sync) after the fixed
-cost; at this test's 18.9M params what does not grow with the model and the warm-up leaves
-(allocator arenas, the new wrapper's groups) is a larger share: +0.8 to +1.2 measured, so 1.5
-leaves a margin that holds while a regression of one bucket-sized buffer (0.5) still fails."""
+"""Above the README's formula (plus one bucket in overlap mode), per param, after the warm-up.
+The issue's bound is 1.0 at 33.6M params, where ``python -m benchmarks.peak_memory`` measured
++0.60 to +0.79 (+0.70 for overlap over its bucket). At this test's 18.9M params what the warm-up
+leaves of the per-process cost (a few MiB) weighs more: +1.01 to +1.07, overlap +0.76 over its
+bucket. 1.5 leaves ~0.45 of margin, and one more bucket-sized transient (0.5) in sync mode,
+such as the receive buffers or gloo's all-gather copies this issue removed, reaches it."""
 
 WIDTH = 1536
-"""8 layers of 1536: 18.9M params, buckets of 9.4 MB (fp32): large enough that the per-process
-fixed cost left after the warm-up is noise, small enough for ~6 s per mode."""
+"""8 layers of 1536: 18.9M params, buckets of 9.4 MB (fp32), one in flight at a time as in the
+33.6M-param benchmark (Note [Bounded receive buffers]); the four modes take ~50 s."""
 
 
-@pytest.mark.parametrize("mode", ["sync", "overlap", "sync-bf16", "overlap-bf16"])
-def test_peak_stays_within_a_byte_per_param_of_the_formula(mode: str) -> None:
-    run = MemoryRun(mode, width=WIDTH, steady_steps=2)
-    measured = excess(run, measure(run, warm_up=True))
-    assert measured <= EXCESS_BOUND_BYTES_PER_PARAM + in_flight_bytes_per_param(run), measured
+MODES = ("sync", "overlap", "sync-bf16", "overlap-bf16")
+
+
+@pytest.fixture(scope="module")
+def excesses() -> dict[str, tuple[float, float]]:
+    """Per mode, the measured excess and its bound, all modes in one pair of ranks (starting
+    ranks costs more than a mode)."""
+    runs = [MemoryRun(mode, width=WIDTH, steady_steps=2) for mode in MODES]
+    measured = measure(runs, warm_up=True)
+    return {
+        run.mode: (excess(run, peaks), EXCESS_BOUND_BYTES_PER_PARAM + in_flight_bytes_per_param(run))
+        for run, peaks in zip(runs, measured, strict=True)
+    }
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_peak_stays_within_the_bound_over_the_formula(
+    excesses: dict[str, tuple[float, float]], mode: str
+) -> None:
+    measured, bound = excesses[mode]
+    assert measured <= bound, (mode, measured, bound)
