@@ -43,12 +43,12 @@ Note [Bounded staging]
     ``memory_bytes()["staging"]``.
 
 Note [Bounded receive buffers]
-    On CPU gloo every reduce-scatter receives into a buffer of its bucket's size (the slices of
-    every rank, summed once in: Note [Reduce-scatter on gloo] in ``collectives``), allocated per
-    call and freed once summed. Sync mode issues every bucket's reduction at once and overlap
-    mode issues them as fast as backward produces grads, so without a bound as many of them
-    were live as gloo had collectives running or queued: 2-3 buckets on the 33.6M-param MLP
-    (+1.0-1.5 bytes per param at the peak of the step,
+    On CPU gloo every reduce-scatter receives into a buffer of its bucket's size (every rank's
+    slice for this rank, summed once all are in: Note [Reduce-scatter on gloo] in
+    ``collectives``), allocated per call and freed once summed. Sync mode issues every bucket's
+    reduction at once and overlap mode issues them as fast as backward produces grads, so
+    without a bound as many of them were live as gloo had collectives running or queued: 3
+    buckets on the 33.6M-param MLP (+1.5-1.8 bytes per param over the step's rest,
     ``benchmarks/results/2026-12-05-peak-memory.md``). So before a reduction is issued, the host
     waits for the oldest ones in flight until its buffer fits in ``RECEIVE_BUDGET_BYTES`` with
     theirs; a bucket larger than the budget alone is always let through. The budget is a

@@ -24,7 +24,7 @@ such as the receive buffers or gloo's all-gather copies this issue removed, reac
 
 WIDTH = 1536
 """8 layers of 1536: 18.9M params, buckets of 9.4 MB (fp32), one in flight at a time as in the
-33.6M-param benchmark (Note [Bounded receive buffers]); the four modes take ~50 s."""
+33.6M-param benchmark (Note [Bounded receive buffers]); the four modes take 13-23 s."""
 
 
 MODES = ("sync", "overlap", "sync-bf16", "overlap-bf16")
