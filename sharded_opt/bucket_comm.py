@@ -8,13 +8,14 @@ same collectives on the very same buffers, which is why their results are bitwis
 Note [Mixed precision]
     Params and their grads live in the params' own dtype (bf16, say) in the flat buffers:
     autograd needs a grad of the param's dtype. Grads are reduced in ``reduce_dtype`` (fp32 by
-    default for 16-bit params): a bf16 bucket is cast into an fp32 staging buffer that the
-    collective reads (Note [Bounded staging]), and the averaged shard arrives in a persistent
-    fp32 tensor. With a ``master_dtype`` wider than the params, the inner optimizer steps a
-    persistent fp32 master copy of the local shard only (never of the whole model); after the
-    step the master is cast back into the param buffer's shard, which is all-gathered in the
-    params' dtype. See Note [Master copies] in ``local_shard`` for how params written by others
-    stay the truth.
+    default for 16-bit params): on CPU gloo the bf16 grads are sent as they are and widened
+    while their slices are summed (Note [Widening on receipt] in ``collectives``); elsewhere a
+    bf16 bucket is cast into an fp32 staging buffer that the collective reads (Note [Bounded
+    staging]). The averaged shard arrives in a persistent fp32 tensor. With a ``master_dtype``
+    wider than the params, the inner optimizer steps a persistent fp32 master copy of the
+    local shard only (never of the whole model); after the step the master is cast back into
+    the param buffer's shard, which is all-gathered in the params' dtype. See Note [Master
+    copies] in ``local_shard`` for how params written by others stay the truth.
 
 Note [Buckets that take part]
     A bucket takes part in an iteration's reduction when any of its params requires grad; which
@@ -40,10 +41,28 @@ Note [Bounded staging]
     backward between them: memory is bounded at the price of that much overlap. The values cast
     are the same as before, so results are bitwise unchanged. The pool is reported by
     ``memory_bytes()["staging"]``.
+
+Note [Bounded receive buffers]
+    On CPU gloo every reduce-scatter receives into a buffer of its bucket's size (every rank's
+    slice for this rank, summed once all are in: Note [Reduce-scatter on gloo] in
+    ``collectives``), allocated per call and freed once summed. Sync mode issues every bucket's
+    reduction at once and overlap mode issues them as fast as backward produces grads, so
+    without a bound as many of them were live as gloo had collectives running or queued: 3
+    buckets on the 33.6M-param MLP (+1.5-1.8 bytes per param over the step's rest,
+    ``benchmarks/results/2026-12-05-peak-memory.md``). So before a reduction is issued, the host
+    waits for the oldest ones in flight until its buffer fits in ``RECEIVE_BUDGET_BYTES`` with
+    theirs; a bucket larger than the budget alone is always let through. The budget is a
+    constant, not a share of the model: it keeps this transient at a fixed 16 MiB (one bucket
+    of the default sizes of a large model, or up to 16 small ones) whatever the model's size,
+    while small buckets still overlap each other on the wire. The same collectives run on the
+    same buffers in the same order, only later, so results are bitwise unchanged. The price is
+    as for Note [Bounded staging]: in overlap mode a backward hook may wait for the reduction
+    before it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 import torch
@@ -67,6 +86,10 @@ from sharded_opt.streams import (
 STAGING_BUFFERS = 2
 """Casts of grads to ``reduce_dtype`` that may exist at once: one read by a running collective
 while the next bucket is cast into the other. See Note [Bounded staging]."""
+
+RECEIVE_BUDGET_BYTES = 16 * 2**20
+"""Bytes of reduce-scatter receive buffers that may be live at once on the host (at least one
+bucket's, whatever its size). See Note [Bounded receive buffers]."""
 
 
 class BucketCommunicator:
@@ -109,6 +132,15 @@ class BucketCommunicator:
         self._grad_streams: list[list[torch.Stream]] = [[] for _ in range(num_buckets)]
         """Per bucket, the streams its grads were accumulated on since its last reduction."""
         self._staging = _StagingPool(buffers.plan.buckets[0].device)
+        self._widens_on_receipt = self.stream is None and collectives.widens_on_receipt(
+            group, buffers.plan.buckets[0].device
+        )
+        """Grads of a narrower dtype than the reduction go out as they are and are widened where
+        they are summed, see Note [Widening on receipt] in ``collectives``."""
+        self._receives = (
+            _ReceiveBudget(RECEIVE_BUDGET_BYTES) if self._widens_on_receipt and self.sharded else None
+        )
+        """See Note [Bounded receive buffers]; None where no receive buffer is allocated."""
         self._param_works: list[Work | None] = [None] * num_buckets
         self._param_events: list[torch.Event | None] = [None] * num_buckets
         """Per bucket, an event after its latest all-gather (accelerators only)."""
@@ -130,7 +162,7 @@ class BucketCommunicator:
         grad_buffer = self.buffers.grad_buffers[bucket_index]
         if self.sharded:
             reduced = torch.zeros(bucket.shard_numel, dtype=precision.reduce_dtype, device=bucket.device)
-            if grad_buffer.dtype != reduced.dtype:
+            if grad_buffer.dtype != reduced.dtype and not self._widens_on_receipt:
                 self._staging.reserve(bucket.padded_numel * reduced.element_size())
         elif self.world_size > 1 and precision.reduce_dtype != precision.param_dtype:
             reduced = torch.zeros_like(grad_buffer, dtype=precision.reduce_dtype)
@@ -156,7 +188,9 @@ class BucketCommunicator:
         reduced = shard.reduced_grad
         with on_stream(self.stream):
             if self.sharded:
-                if grad_buffer.dtype == reduced.dtype:
+                if self._receives is not None:
+                    self._receives.admit(grad_buffer.nbytes)
+                if grad_buffer.dtype == reduced.dtype or self._widens_on_receipt:
                     work = collectives.reduce_scatter_avg(
                         reduced, grad_buffer, self.group, async_op=True, point_to_point=self.point_to_point
                     )
@@ -164,6 +198,8 @@ class BucketCommunicator:
                     work = self._reduce_scatter_cast(reduced, grad_buffer)
                 if self.replicate_group is not None:
                     work = self._replica_chain.all_reduce_after(work, reduced, self.replicate_group)
+                if self._receives is not None:
+                    self._receives.track(work, grad_buffer.nbytes)
             else:
                 if reduced is not grad_buffer:
                     reduced.copy_(grad_buffer)
@@ -192,6 +228,8 @@ class BucketCommunicator:
             # Compute waited for every reduction, and comm-stream work starts behind compute.
             self._replica_chain.reset()
             self._staging.forget_readers()
+            if self._receives is not None:
+                self._receives.forget()
 
     def launched_grad_buckets(self) -> list[int]:
         """Buckets whose grad reduction is issued and not yet finished."""
@@ -348,6 +386,32 @@ def _as_future(handle: Work | Future | None) -> Future:
         done.set_result(None)
         return done
     return handle.get_future() if isinstance(handle, Work) else handle
+
+
+class _ReceiveBudget:
+    """The host's reduce-scatters in flight with the bytes of their receive buffers, bounded;
+    see Note [Bounded receive buffers]."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self._budget_bytes = budget_bytes
+        self._in_flight: deque[tuple[Work | Future | _IssuedWork | None, int]] = deque()
+        self._live_bytes = 0
+
+    def admit(self, nbytes: int) -> None:
+        """Wait for the oldest reductions in flight until ``nbytes`` more fit (or none is left)."""
+        while self._in_flight and self._live_bytes + nbytes > self._budget_bytes:
+            work, done_bytes = self._in_flight.popleft()
+            wait_comm([work])
+            self._live_bytes -= done_bytes
+
+    def track(self, work: Work | Future | _IssuedWork | None, nbytes: int) -> None:
+        self._in_flight.append((work, nbytes))
+        self._live_bytes += nbytes
+
+    def forget(self) -> None:
+        """Every reduction was waited for."""
+        self._in_flight.clear()
+        self._live_bytes = 0
 
 
 class _StagingPool:

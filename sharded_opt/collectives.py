@@ -46,7 +46,8 @@ Note [Reduce-scatter on gloo]
     within the noise of per-call ones in every run (faster in three, slower in two), and they
     would cost a permanent extra copy of every grad bucket, +4 bytes per fp32 param on every
     rank (ZeRO-1's optimizer state is 12/N). A per-call buffer lives only while its bucket is in
-    flight.
+    flight, and the communicator bounds how many are (Note [Bounded receive buffers] in
+    ``bucket_comm``).
 
     Why it is not the default: gloo posts a message from the calling thread and, on loopback,
     copies it there (``gloo:send``/``gloo:recv`` take 0.6-0.9 ms each on the training thread in
@@ -83,6 +84,32 @@ Note [No Python on gloo's threads]
     11.3, 14.7 against 13.9 and 17.1 against 15.2 ms: up to 0.2 ms per bucket. Accelerator
     tensors on gloo keep the callback: their future carries the streams the sum must run on.
 
+Note [In-place all-gather on gloo]
+    gloo's own all-gather of CPU tensors gathers into a flat buffer of its own, the size of the
+    output, and copies it into the output afterwards: a transient copy of every bucket being
+    gathered (two at a time on gloo's two worker threads: +1 byte per param of the 33.6M-param
+    MLP at the end of a step, ``benchmarks/results/2026-12-05-peak-memory.md``). gloo's
+    broadcast writes into the tensor it is given. So on gloo, CPU tensors are all-gathered as one
+    broadcast per rank, each from its slot of the output (the local shard is already a view of
+    it) into the same slot everywhere: nothing is allocated, and each rank sends and receives
+    the bytes of an all-gather. Measured on 2 ranks on loopback, all buckets in flight: 8
+    buckets of 16 MiB in 59 against 137 ms for gloo's all-gather, 13 buckets of 1 MiB in 13.2
+    against 19.7 ms, with no transient against 32 and 2.5 MiB. The broadcasts run on gloo's
+    worker threads like its collectives, so the training thread does not copy messages (as it
+    does on the point-to-point path).
+
+Note [Widening on receipt]
+    bf16 grads are reduced in fp32 (Note [Mixed precision] in ``bucket_comm``). Where the slices
+    are summed here on the host (CPU tensors on gloo, both paths above), they travel in bf16 and
+    are widened while summed: ``torch.sum(..., dtype=float32)`` over the N received bf16 slices
+    is bitwise the sum over their fp32 casts in the same order (each bf16 value is exact in fp32,
+    and torch casts the input before its reduction). So the reduction no longer needs an fp32
+    cast of the whole bucket as its input (4 bytes per param of staging, two buckets at a time)
+    and half the bytes cross the wire, with the same result. torch's cast before the reduction
+    would itself be an fp32 copy of every received slice, so the sum runs over column chunks
+    of ``WIDENING_CHUNK_NUMEL`` (each column's N values are summed alone, so chunks change no
+    bit). NCCL and accelerator tensors still reduce an fp32 cast (Note [Bounded staging]).
+
 torch 2.13 renamed ``reduce_scatter_tensor``/``all_gather_into_tensor`` to
 ``reduce_scatter_single``/``all_gather_single`` and warns on the old names; older releases only
 have the old ones. These wrappers pick whichever exists so users see no warning on any version.
@@ -102,6 +129,12 @@ from torch import Tensor
 from torch.distributed import ProcessGroup, ReduceOp, Work
 from torch.futures import Future
 
+WIDENING_CHUNK_NUMEL = 64 * 1024
+"""Elements of the output summed per call when the received slices are widened: torch casts a
+reduction's whole input to the output dtype first, and a chunk's cast stays small (1 MiB over
+four fp32 slices) where the whole bucket's would be a full-bucket copy (Note [Widening on
+receipt])."""
+
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -113,13 +146,20 @@ def reduce_scatter_avg(
 
     With ``async_op``, returns a handle whose ``wait()`` makes ``output`` final.
     ``point_to_point`` selects the point-to-point path for CPU tensors on gloo (Note
-    [Reduce-scatter on gloo]).
+    [Reduce-scatter on gloo]). ``output`` may have a wider dtype than ``input`` where
+    :func:`widens_on_receipt` (Note [Widening on receipt]).
     """
     if backend_for_device(group, input.device.type) == "gloo":
         if point_to_point and input.device.type == "cpu":
             return _reduce_scatter_by_p2p(output, input, group, async_op)
         return _reduce_scatter_by_all_to_all(output, input, group, async_op)
     return _reduce_scatter(output, input, op=ReduceOp.AVG, group=group, async_op=async_op)
+
+
+def widens_on_receipt(group: ProcessGroup, device: torch.device) -> bool:
+    """Whether :func:`reduce_scatter_avg` of ``device`` tensors on ``group`` sums the received
+    slices on the host, so its output may be wider than its input (CPU tensors on gloo)."""
+    return device.type == "cpu" and backend_for_device(group, "cpu") == "gloo"
 
 
 def backend_for_device(group: ProcessGroup, device_type: str) -> str:
@@ -172,18 +212,24 @@ def all_gather(
     With ``async_op``, returns a handle whose ``wait()`` makes ``output`` final.
     ``point_to_point`` as for :func:`reduce_scatter_avg`.
     """
-    if point_to_point and input.device.type == "cpu" and backend_for_device(group, "cpu") == "gloo":
-        works = _all_gather_by_p2p(output, input, group)
-        if async_op:
-            return run_after(works, _nothing, "gloo:all_gather (point-to-point)")
+    if input.device.type == "cpu" and backend_for_device(group, "cpu") == "gloo":
+        if point_to_point:
+            works = _all_gather_by_p2p(output, input, group)
+            if async_op:
+                return run_after(works, _nothing, "gloo:all_gather (point-to-point)")
+        else:
+            works = _all_gather_by_broadcasts(output, input, group)
+            if async_op:
+                return works
         works.wait()
         return None
     return _all_gather(output, input, group=group, async_op=async_op)
 
 
 class P2PWorks:
-    """The point-to-point messages of one collective; ``wait()`` returns once all completed
-    (what ``Work.wait()`` promises for a collective), raising the first error."""
+    """The operations one collective is made of (point-to-point messages, or one broadcast per
+    rank); ``wait()`` returns once all completed (what ``Work.wait()`` promises for a
+    collective), raising the first error."""
 
     def __init__(self, works: list[Work]) -> None:
         self._works = works
@@ -215,6 +261,20 @@ def _all_gather_by_p2p(output: Tensor, input: Tensor, group: ProcessGroup) -> P2
     return _exchange([own] * group.size(), slots, group)
 
 
+def _all_gather_by_broadcasts(output: Tensor, input: Tensor, group: ProcessGroup) -> P2PWorks:
+    """See Note [In-place all-gather on gloo]."""
+    slots = list(output.view(group.size(), -1).unbind())
+    own = slots[group.rank()]
+    if input.data_ptr() != own.data_ptr():
+        own.copy_(input.reshape(-1))
+    return P2PWorks(
+        [
+            dist.broadcast(slot, dist.get_global_rank(group, peer), group=group, async_op=True)
+            for peer, slot in enumerate(slots)
+        ]
+    )
+
+
 def _reduce_scatter_by_p2p(
     output: Tensor, input: Tensor, group: ProcessGroup, async_op: bool
 ) -> Future | None:
@@ -242,8 +302,15 @@ def start_reduce_scatter_by_p2p(received: Tensor, input: Tensor, group: ProcessG
 
 
 def sum_received(output: Tensor, received: Tensor, world_size: int) -> None:
-    """Average the ``world_size`` slices of ``received`` into ``output``, summed in rank order."""
-    torch.sum(received.view(world_size, -1), dim=0, out=output)
+    """Average the ``world_size`` slices of ``received`` into ``output``, summed in rank order;
+    ``output`` may be wider than ``received`` (Note [Widening on receipt])."""
+    slices = received.view(world_size, -1)
+    if output.dtype == received.dtype:
+        torch.sum(slices, dim=0, out=output)
+    else:
+        for start in range(0, output.numel(), WIDENING_CHUNK_NUMEL):
+            end = start + WIDENING_CHUNK_NUMEL
+            torch.sum(slices[:, start:end], dim=0, dtype=output.dtype, out=output[start:end])
     output.div_(world_size)
 
 

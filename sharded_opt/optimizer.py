@@ -326,7 +326,8 @@ class ShardingStage1(torch.optim.Optimizer):
         Keys: ``params`` and ``grads`` (the flat buffers, padding included), ``reduced_grads``
         (the averaged grads the optimizer steps, when not the grad buffer itself), ``master``
         (master copies of the local shard), ``optimizer_state``, ``staging`` (casts of grads to
-        ``reduce_dtype`` for the reduce-scatter, Note [Bounded staging] in ``bucket_comm``).
+        ``reduce_dtype`` for the reduce-scatter, Note [Bounded staging] in ``bucket_comm``; none
+        on CPU gloo, which widens on receipt).
         """
         return self.shards.memory_bytes()
 

@@ -5,10 +5,10 @@ same keys, and tests/plan/test_plan.py checks they agree exactly): every bucket'
 a grad buffer for each bucket that takes part (Note [Buckets that take part]), per bucket a
 persistent averaged grad of the shard in the reduce dtype, a grad in the master dtype when the
 optimizer steps a master copy of another dtype, the master copy, the optimizer's state for the
-rank's pieces (padding has none, Note [Per-param pieces]) and the staging pool of Note [Bounded
-staging]. DDP holds the params and grads unpadded, the optimizer's state for every param, and
-its reducer's flat bucket buffers (one copy of the grads; torch's default
-``gradient_as_bucket_view=False``).
+rank's pieces (padding has none, Note [Per-param pieces]); no staging pool (Note [Bounded
+staging]): on CPU gloo, which the planner models, 16-bit grads are widened on receipt. DDP
+holds the params and grads unpadded, the optimizer's state for every param, and its reducer's
+flat bucket buffers (one copy of the grads; torch's default ``gradient_as_bucket_view=False``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from dataclasses import dataclass, fields
 import torch
 
 from fusion.layout import BucketPlan, LayoutPlan, ParamSpec
-from sharded_opt.bucket_comm import STAGING_BUFFERS
 from sharded_opt.local_shard import BucketPrecision
 
 StateBytes = Mapping[tuple[int, torch.dtype], int]
@@ -78,7 +77,6 @@ def sharded_memory(
     live = [b for b in plan.buckets if b.requires_grad or materialize_all]
     grads = sum(_nbytes(b.padded_numel, b.dtype) for b in live)
     reduced = master = state = 0
-    staged_bytes: list[int] = []
     for bucket in live:
         precision = precisions[bucket.index]
         stepped_numel = bucket.shard_numel if sharded else bucket.padded_numel
@@ -86,19 +84,18 @@ def sharded_memory(
         if sharded:
             reduced_dtype = precision.reduce_dtype
             reduced += _nbytes(stepped_numel, reduced_dtype)
-            if precision.reduce_dtype != bucket.dtype:
-                staged_bytes.append(_nbytes(bucket.padded_numel, precision.reduce_dtype))
         if reduced_dtype != precision.master_dtype:
             reduced += _nbytes(stepped_numel, precision.master_dtype)  # the stepped grad
         if precision.has_master:
             master += _nbytes(stepped_numel, precision.master_dtype)
         per_element = state_bytes[(bucket.group_index, precision.master_dtype)]
         state += per_element * _stepped_elements(bucket, rank, sharded)
-    staging = min(STAGING_BUFFERS, len(staged_bytes)) * max(staged_bytes, default=0)
     used = sum(_nbytes(b.used_numel, b.dtype) for b in plan.buckets)
     used_live = sum(_nbytes(b.used_numel, b.dtype) for b in live)
     padding = (params - used) + (grads - used_live)
-    return MemoryBytes(params, grads, reduced, master, state, staging, padding=padding)
+    # No staging: the planner models CPU tensors on gloo, whose reduce-scatter widens 16-bit grads
+    # on receipt (Note [Widening on receipt] in ``collectives``).
+    return MemoryBytes(params, grads, reduced, master, state, staging=0, padding=padding)
 
 
 def _stepped_elements(bucket: BucketPlan, rank: int, sharded: bool) -> int:

@@ -72,10 +72,50 @@ def _reduce_scatter_checks(group: dist.ProcessGroup) -> dict[str, bool]:
         "in_flight_equals_reference": all(map(torch.equal, in_flight, expected)),
         "equals_all_to_all": all(map(torch.equal, sync_out, by_all_to_all)),
         "inputs_kept": inputs_kept,
+        "widened_equals_cast": _widened_equals_cast(group, inputs),
     }
 
 
-def _all_gather_checks(group: dist.ProcessGroup) -> dict[str, bool]:
+def _widened_equals_cast(group: dist.ProcessGroup, inputs: list[torch.Tensor]) -> bool:
+    """bf16 buckets reduced into fp32 outputs (Note [Widening on receipt]), on both paths and in
+    flight, are bitwise the reduction of their fp32 casts."""
+    bf16 = [input for input in inputs if input.dtype == torch.bfloat16]
+    outputs = {}
+    for name, cast, point_to_point in (
+        ("cast", True, False),
+        ("widened", False, False),
+        ("p2p", False, True),
+    ):
+        outputs[name] = [torch.empty(input.numel() // group.size()) for input in bf16]
+        handles = [
+            collectives.reduce_scatter_avg(
+                output, input.float() if cast else input, group, async_op=True, point_to_point=point_to_point
+            )
+            for output, input in zip(outputs[name], bf16, strict=True)
+        ]
+        for handle in handles:
+            handle.wait()
+    return all(
+        torch.equal(cast, widened) and torch.equal(cast, p2p)
+        for cast, widened, p2p in zip(outputs["cast"], outputs["widened"], outputs["p2p"], strict=True)
+    )
+
+
+def _all_gather_checks(group: dist.ProcessGroup) -> dict[str, dict[str, bool]]:
+    """On the point-to-point path and on the default one, which must not use gloo's own
+    all-gather (it gathers into a copy of the output, Note [In-place all-gather on gloo])."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("gloo's all-gather ran on CPU tensors")
+
+    with mock.patch.object(collectives, "_all_gather", refuse):
+        return {
+            "point_to_point": _all_gather_results(group, point_to_point=True),
+            "broadcasts": _all_gather_results(group, point_to_point=False),
+        }
+
+
+def _all_gather_results(group: dist.ProcessGroup, point_to_point: bool) -> dict[str, bool]:
     rank, world_size = group.rank(), group.size()
     cases = _cases(world_size)
     expected = [
@@ -87,18 +127,20 @@ def _all_gather_checks(group: dist.ProcessGroup) -> dict[str, bool]:
     handles = []
     for (seed, numel, dtype), output, in_place_output in zip(cases, out_of_place, in_place, strict=True):
         own = _bucket(seed, rank, numel, dtype)[: numel // world_size]
-        handles.append(collectives.all_gather(output, own.clone(), group, async_op=True, point_to_point=True))
+        handles.append(
+            collectives.all_gather(output, own.clone(), group, async_op=True, point_to_point=point_to_point)
+        )
         slot = in_place_output.view(world_size, -1)[rank]
         slot.copy_(own)
         handles.append(
-            collectives.all_gather(in_place_output, slot, group, async_op=True, point_to_point=True)
+            collectives.all_gather(in_place_output, slot, group, async_op=True, point_to_point=point_to_point)
         )
     for handle in reversed(handles):
         handle.wait()
     sync_out = [torch.empty_like(output) for output in out_of_place]
     for (seed, numel, dtype), output in zip(cases, sync_out, strict=True):
         own = _bucket(seed, rank, numel, dtype)[: numel // world_size]
-        collectives.all_gather(output, own, group, async_op=False, point_to_point=True)
+        collectives.all_gather(output, own, group, async_op=False, point_to_point=point_to_point)
     return {
         "out_of_place_equals_reference": all(map(torch.equal, out_of_place, expected)),
         "in_place_equals_reference": all(map(torch.equal, in_place, expected)),
@@ -205,17 +247,19 @@ def test_reduce_scatter_is_the_average_in_rank_order_also_with_buckets_in_flight
             "in_flight_equals_reference": True,
             "equals_all_to_all": True,
             "inputs_kept": True,
+            "widened_equals_cast": True,
         }
 
 
 @pytest.mark.parametrize("label", ["3 ranks", "2 ranks"])
 def test_all_gather_in_and_out_of_place_also_with_buckets_in_flight(results, label) -> None:
     for outcome in _per_rank(results, label, "all_gather"):
-        assert outcome == {
-            "out_of_place_equals_reference": True,
-            "in_place_equals_reference": True,
-            "sync_equals_reference": True,
-        }
+        for path in ("point_to_point", "broadcasts"):
+            assert outcome[path] == {
+                "out_of_place_equals_reference": True,
+                "in_place_equals_reference": True,
+                "sync_equals_reference": True,
+            }, path
 
 
 @pytest.mark.parametrize("label", ["3 ranks", "2 ranks"])
