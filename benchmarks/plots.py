@@ -76,12 +76,15 @@ def collective_kind(name: str) -> str:
     """``reduce_scatter``, ``all_gather`` or ``other`` for a ``c10d::`` launch or a ``gloo:``
     span. On gloo the wrapper's reduce-scatter of CPU tensors is an all-to-all plus a local sum
     (``c10d::alltoall_base_``, ``gloo:all_to_all``), or point-to-point spans it names itself
-    (``gloo:reduce_scatter (point-to-point)``); Note [Reduce-scatter on gloo]. The small
-    all-reduce of the presence flags and the buffers' broadcast are ``other``."""
+    (``gloo:reduce_scatter (point-to-point)``); Note [Reduce-scatter on gloo]. Its all-gather
+    of CPU tensors is one broadcast per rank (``c10d::broadcast_``; Note [In-place all-gather
+    on gloo]), so broadcasts count as all-gathers (a model's buffers, broadcast as DDP does,
+    with them). The small all-reduces of the presence flags and the step's error agreement are
+    ``other``."""
     flat = name.lower().replace("_", "").replace(" ", "")
     if "reducescatter" in flat or "alltoall" in flat:
         return "reduce_scatter"
-    if "allgather" in flat:
+    if "allgather" in flat or "broadcast" in flat:
         return "all_gather"
     return "other"
 

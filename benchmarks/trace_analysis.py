@@ -5,7 +5,9 @@ Definitions (what "hidden comm %" means):
 
 * A *comm* event is a reduce-scatter or all-gather as the backend executes it: NCCL kernels
   (``ncclDevKernel_ReduceScatter...``, ``ncclKernel_AllGather...``) or gloo's own spans on its
-  worker threads (``gloo:all_to_all``, ``gloo:all_gather``) or the wrapper's own spans of its
+  worker threads (``gloo:all_to_all``, ``gloo:all_gather``; ``gloo:broadcast``: on CPU gloo the
+  wrapper all-gathers by one broadcast per rank, Note [In-place all-gather on gloo], and a
+  model's buffers, broadcast as DDP does, count there too) or the wrapper's own spans of its
   point-to-point collectives on gloo (``gloo:reduce_scatter (point-to-point)``, ``gloo:all_gather
   (point-to-point)``, recorded with :func:`profiler_options`). The host-side ``c10d::...`` issue
   calls, and gloo's ``gloo:send``/``gloo:recv`` posting spans, are neither comm nor compute.
@@ -59,7 +61,7 @@ def profiler_options() -> dict[str, Any]:
 
 
 _REDUCE_SCATTER_MARKERS = ("reducescatter", "alltoall")
-_ALL_GATHER_MARKERS = ("allgather",)
+_ALL_GATHER_MARKERS = ("allgather", "broadcast")
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,8 +127,8 @@ def test_summary_and_sweep_clamp_the_hidden_share():
         ("c10d::_allgather_base_", "all_gather"),
         ("gloo:all_gather", "all_gather"),
         ("gloo:all_gather (point-to-point)", "all_gather"),
-        ("c10d::allreduce_", "other"),  # the presence flags
-        ("c10d::broadcast_", "other"),
+        ("c10d::allreduce_", "other"),  # the presence flags, the step's error agreement
+        ("c10d::broadcast_", "all_gather"),  # one per rank: the all-gather of CPU tensors on gloo
     ],
 )
 def test_timeline_colours_each_collective_by_its_kind(name, kind):
