@@ -285,9 +285,21 @@ class GradSync:
         whereas here its elements may still hold an earlier iteration's grads (a bucket frozen
         since takes no part in the reduction and keeps its last result; a param frozen after
         ``model.zero_grad()`` set its grad to None keeps its last grad in the grad buffer). They
-        would count in the norm, or a past overflow would make the scaler skip every step."""
+        would count in the norm, or a past overflow would make the scaler skip every step.
+
+        A bucket none of whose params got a grad was not reduced: its whole reduced grad is
+        zeroed, padding included. The padding is zero after every reduction, but a clip by a
+        nan norm (an overflow the scaler then skipped) leaves nan there too, and the next
+        iteration's norm, summed over the flat shards, would be nan (ws-3 campaign of seed 9203,
+        programs 67 and 68: every param nan two steps after a skipped overflow)."""
+        grad_buffers = {id(g) for g in self._buffers.grad_buffers if g is not None}
         for shard in self._comm.live_shards():
             present = self.presence.params_with_grads(shard.bucket.index)
+            if not present:
+                for whole in {id(t): t for t in (shard.reduced_grad, shard.stepped_grad)}.values():
+                    if id(whole) not in grad_buffers:  # this rank's local grads stay as they are
+                        whole.zero_()
+                continue
             for grad, owner in zip(shard.inner_grads, shard.inner_owners, strict=True):
                 if owner not in present:
                     grad.zero_()

@@ -1046,8 +1046,12 @@ def _for_optimizer(program: Program, name: str) -> Program:
     its step ``found_inf``, so plain torch itself then fails ("Expected grad_scale and
     found_inf to be None")."""
     wrapped, plain = ("default" if k == "fused" and name not in FUSED_ON_CPU else k for k in program.kernels)
-    if name in ("adamw_fused", "muon"):
-        wrapped = plain = "default"  # fused already, or a single kernel
+    if name in ("adamw_fused", "muon", "sgd_nesterov"):
+        # fused already; a single kernel; torch's foreach Nesterov SGD writes the momentum into
+        # ``p.grad``, which later backwards accumulate into in torch, and into the local grads
+        # in the wrapper (docs/user-guide.md, as for clipped grads): 1.1 % off a param in the
+        # ws-3 campaign of seed 9203 (program 293), kernels ("foreach", "foreach")
+        wrapped = plain = "default"
     if wrapped != plain and (program.scaler or name not in CLOSE_ACROSS_KERNELS):
         plain = wrapped
     if "fused" in name or "fused" in (wrapped, plain):
