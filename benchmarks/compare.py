@@ -22,6 +22,11 @@ per step are measured for every mode from the link's own counters.
 ``--degree``) and, on CPU ranks, splits each block's step time into communication, Newton-Schulz
 and the rest per rank (``benchmarks/step_split.py``), with the optimizer state per rank and
 class (benchmarks/results/2026-12-04-muon.md).
+
+``--compile`` runs every mode's forward under ``torch.compile`` (inductor unless a backend is
+named): DDP compiled whole, the sharded modes with the model attached, whose ``step()`` then waits
+for its all-gathers (Note [torch.compile] in ``sharded_opt/param_hooks.py``); compare its ratios
+with an eager run of the same command (benchmarks/results/2026-12-05-compile-cpu-2core.md).
 """
 
 from __future__ import annotations
@@ -136,6 +141,14 @@ def parse_args(argv: list[str] | None) -> Plan:
                         help="add the hybrid mode: ranks per shard group (and per node)")  # fmt: skip
     parser.add_argument("--gloo-p2p", action="store_true",
                         help="ShardingConfig(gloo_point_to_point=True) for the wrapper's modes")  # fmt: skip
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="torch.compile every mode's forward (default backend: inductor)",
+    )
     parser.add_argument("--out", type=Path, default=Path("out/compare"))
     args = parser.parse_args(argv)
     preset = PRESETS_BY_NAME[args.preset]
@@ -179,6 +192,7 @@ def parse_args(argv: list[str] | None) -> Plan:
         seed=args.seed,
         gloo_point_to_point=args.gloo_p2p,
         optimizer=args.optimizer,
+        compile_backend=args.compile,
     )
     return Plan(base, args.world_sizes, args.bucket_mb, args.out, memory, link)
 
@@ -229,7 +243,8 @@ def _print_run(run: dict, config: RunConfig) -> None:
           f"{config.micro_batch}x{config.seq_len} tokens/rank, {bucket_label(run['bucket_mb'])} MiB buckets "
           f"({len(run['buckets_padded_numel'])} buckets"
           f"{', gloo point-to-point' if config.gloo_point_to_point else ''})"
-          f"{', Muon on the hidden matrices + AdamW' if config.optimizer == 'muon' else ''} ==")  # fmt: skip
+          f"{', Muon on the hidden matrices + AdamW' if config.optimizer == 'muon' else ''}"
+          f"{_compiled_label(config)} ==")  # fmt: skip
     print(report.mode_table(run))
     if "link_bytes_per_step" in run:
         print("bytes across the emulated link per step (both directions, steady blocks, median):")
@@ -260,6 +275,10 @@ def _print_run(run: dict, config: RunConfig) -> None:
         verdict = "agree" if agreement["agree"] else "DO NOT AGREE"
         print(f"max |param - DDP param|: {diffs}; modes ddp/sync/overlap {verdict} "
               f"(atol {report.PARAM_ATOL:g})")  # fmt: skip
+
+
+def _compiled_label(config: RunConfig) -> str:
+    return f", forward compiled ({config.compile_backend})" if config.compile_backend else ""
 
 
 def _environment() -> dict[str, object]:

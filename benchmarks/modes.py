@@ -107,6 +107,8 @@ class ModeSpec:
     optimizer: str = "adamw"
     """One of :data:`OPTIMIZERS` (``--optimizer``)."""
     muon: MuonConfig = MuonConfig()
+    compile_backend: str | None = None
+    """``torch.compile`` every mode's forward with this backend (``--compile``); None: eager."""
 
 
 class Runner:
@@ -215,7 +217,16 @@ class CommOnlyRunner(Runner):
 def build_runner(name: str, spec: ModeSpec) -> Runner:
     """Build mode ``name`` from ``spec``; every call returns an independent model copy."""
     model = build_model(spec.model_name, spec.seed).to(spec.device)
-    return _BUILDERS[name](model, spec)
+    return _compiled(_BUILDERS[name](model, spec), spec)
+
+
+def _compiled(runner: Runner, spec: ModeSpec) -> Runner:
+    """``runner`` with its forward (the model, or DDP around it) compiled, as a user who compiles
+    writes it: DDP is compiled whole (Dynamo splits its graph at DDP's buckets), the sharded
+    modes compile the attached model (see Note [torch.compile] in ``sharded_opt/param_hooks.py``)."""
+    if spec.compile_backend is not None:
+        runner.forward = torch.compile(runner.forward, backend=spec.compile_backend)
+    return runner
 
 
 def _ddp_wrap(model: nn.Module, spec: ModeSpec) -> nn.Module:
@@ -246,7 +257,7 @@ def plain_optimizers(model: nn.Module, spec: ModeSpec) -> list[torch.optim.Optim
 def build_compute_runner(spec: ModeSpec) -> Runner:
     """The :data:`COMPUTE_ONLY` pseudo-mode: the plain model and optimizers, no wrapper at all."""
     model = build_model(spec.model_name, spec.seed).to(spec.device)
-    return Runner(COMPUTE_ONLY, model, model, *plain_optimizers(model, spec))
+    return _compiled(Runner(COMPUTE_ONLY, model, model, *plain_optimizers(model, spec)), spec)
 
 
 def _build_ddp(model: nn.Module, spec: ModeSpec) -> Runner:

@@ -74,6 +74,8 @@ class RunConfig:
     rest, with each block's time split into communication, Newton-Schulz and the rest on CPU
     ranks (``benchmarks.step_split``)."""
     muon: MuonConfig = MuonConfig()
+    compile_backend: str | None = None
+    """``torch.compile`` backend for every mode's forward (``--compile``); None: eager."""
 
     @property
     def total_steps(self) -> int:
@@ -195,6 +197,7 @@ def _mode_spec(config: RunConfig, group: ProcessGroup) -> ModeSpec:
         config.gloo_point_to_point,
         config.optimizer,
         config.muon,
+        config.compile_backend,
     )
 
 

@@ -5,7 +5,7 @@ against ``ShardingStage1`` in sync and overlap mode, interleaved, medians.
 
 The model is ``benchmarks.inner_step.ManyScalars`` (10,000 scalar params), the worst case for
 per-param work in backward (one post-accumulate-grad hook each) and for per-param padding in
-the flat buffers. Each rank builds two plain and two wrapped copies and, in every repeat, runs
+the flat buffers. Each rank builds four plain and two wrapped copies and, in every repeat, runs
 ``zero_grad``, forward, backward and ``step`` on each in turn (see ``MODES``); only ``backward()`` is timed
 (wall clock and the calling thread's CPU time: on CPU the autograd engine runs in the calling
 thread, so CPU time is less disturbed by other processes on a shared machine). Memory is the
@@ -25,16 +25,27 @@ from torch import nn
 from benchmarks.inner_step import ManyScalars
 from sharded_opt import ShardingStage1, spawn
 
-MODES = ("plain", "plain_kept_grads", "sync", "overlap")
+MODES = ("plain", "plain_kept_grads", "plain_hooked", "floor", "sync", "overlap")
 """``plain_kept_grads`` is plain torch zeroing grads with ``set_to_none=False``: backward then
 adds into existing grads in place, as it does into the wrapper's flat grad buffers, instead of
-taking autograd's grad tensors as they are; it separates that cost from the hooks'."""
+taking autograd's grad tensors as they are; it separates that cost from the hooks'.
+``plain_hooked`` is plain torch with a post-accumulate-grad hook per param that does nothing:
+the price of calling into Python once per param. ``floor`` has both (kept grads and a no-op hook
+per param): what any design pays that keeps grads in flat buffers and learns of each grad from
+a per-param hook, before its hook does any work."""
+
+
+def _noop_hook(param: torch.Tensor) -> None:
+    """A post-accumulate-grad hook that does nothing (``plain_hooked``, ``floor``)."""
 
 
 def _build(mode: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = ManyScalars()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if mode.startswith("plain"):
+    if mode in ("plain_hooked", "floor"):
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(_noop_hook)
+    if mode not in ("sync", "overlap"):
         return model, inner
     return model, ShardingStage1(inner, overlap=mode == "overlap", model=model)
 
@@ -65,7 +76,7 @@ def measure(repeats: int) -> dict[str, dict[str, float]]:
     cpus: dict[str, list[float]] = {mode: [] for mode in MODES}
     for repeat in range(repeats + 1):
         for mode in MODES:
-            wall, cpu = _time_backward(*built[mode], set_to_none=mode != "plain_kept_grads")
+            wall, cpu = _time_backward(*built[mode], set_to_none=mode not in ("plain_kept_grads", "floor"))
             if repeat > 0:  # the first backward creates grads and state: warm-up
                 walls[mode].append(wall)
                 cpus[mode].append(cpu)

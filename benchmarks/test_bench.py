@@ -196,3 +196,13 @@ def test_compare_muon_smoke(tmp_path: Path) -> None:
     for mode in ("sync", "overlap"):
         assert sum(rank["Muon"] for rank in state[mode]) == ddp_muon  # each momentum on its owner only
         assert all(0 < rank["AdamW"] < ddp_adamw for rank in state[mode])
+
+
+def test_compare_compiled_smoke(tmp_path: Path) -> None:
+    """``--compile`` end to end on 2 ranks (Dynamo with the eager backend, to stay fast): every
+    mode trains its compiled forward and ends with the params of compiled DDP."""
+    smoke = [arg for arg in MUON_SMOKE if arg not in ("--optimizer", "muon")]
+    compare.main([*smoke, "--compile", "eager", "--modes", "ddp,sync,overlap", "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert payload["config"]["compile_backend"] == "eager"
+    assert payload["runs"][0]["agreement"]["agree"]

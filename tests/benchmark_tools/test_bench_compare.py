@@ -165,6 +165,12 @@ def test_default_run_uses_library_default_buckets():
     assert (plan.base.steady_rounds, plan.base.steady_steps) == (4, 10)
 
 
+def test_compile_flag_names_a_backend_and_defaults_to_inductor():
+    assert compare.parse_args([]).base.compile_backend is None
+    assert compare.parse_args(["--compile"]).base.compile_backend == "inductor"
+    assert compare.parse_args(["--compile", "aot_eager"]).base.compile_backend == "aot_eager"
+
+
 def test_comm_bound_preset_and_explicit_flags_win():
     plan = compare.parse_args(["--preset", "comm-bound"])
     assert plan.link is not None and plan.link.gbps == 0.2
