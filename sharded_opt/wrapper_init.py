@@ -195,11 +195,13 @@ class ModelAttacher:
         self._broadcast_buffers = config.broadcast_buffers
         self._buffer_broadcaster: BufferBroadcaster | None = None
         """Held here: its hook refers to it weakly."""
+        self._attached = False
+        """A model was installed (in sync mode too, where no per-module waiter is kept)."""
 
     def attach(self, model: nn.Module) -> None:
         """``ShardingStage1.attach``: refuse a second model or one the wrapper cannot serve, then
         :meth:`install` it."""
-        if self._param_sync.waiter is not None:
+        if self._attached:
             raise ValueError("ShardingStage1.attach: a model is already attached to this optimizer")
         check_trained_modules(model, self._shards.buffers.params)
         self.install(model)
@@ -210,6 +212,7 @@ class ModelAttacher:
         buffers = self._shards.buffers
         group, world_size = self._shards.process_group, self._shards.world_size
         waiter = ParamReadyWaiter(model, buffers, self._shards.comm.finish_param_sync)
+        self._attached = True
         names = {id(param): name for name, param in model.named_parameters()}
         self._param_guard.param_names = {
             index: names[id(param)] for index, param in enumerate(buffers.params) if id(param) in names

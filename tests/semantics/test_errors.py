@@ -99,6 +99,15 @@ def _attach_foreign_model() -> None:
     ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True).attach(nn.Linear(2, 2))
 
 
+def _attach_twice(overlap: bool) -> Callable[[], None]:
+    def attach_twice() -> None:
+        model = make_model()
+        optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=overlap, model=model)
+        optimizer.attach(model)  # sync mode keeps no per-module waiter: it once hooked the model twice
+
+    return attach_twice
+
+
 def _param_data_resized() -> None:
     model = make_model()
     optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -222,6 +231,8 @@ CASES = [
              "add every param group to the torch optimizer first"),
     BadInput("attach_model_not_owning_params", _attach_foreign_model, ValueError,
              r"the model whose params the optimizer trains but Linear.parameters\(\) holds none"),
+    BadInput("attach_twice_sync", _attach_twice(overlap=False), ValueError, "a model is already attached"),
+    BadInput("attach_twice_overlap", _attach_twice(overlap=True), ValueError, "a model is already attached"),
     BadInput("param_data_resized", _param_data_resized, RuntimeError,
              r"`param.data = ...` gave param \d+ \(optimizer order\) the shape \(3, 3\) but it was laid "
              r"out as \(24, \d+\).*build a new optimizer and ShardingStage1 after resizing"),
