@@ -156,6 +156,53 @@ CASES: dict[str, Program] = {
         steps=(StepSpec(), StepSpec(expert_ranks="some"), StepSpec(clip=0.05)),
         layer_order=("head", "expert", "body", "embed"),
     ),
+    # Found (3 ranks, seed 8203): layers frozen at wrap and unfrozen before the first backward.
+    # Giving their bucket its grad buffer pointed every param of it at its view, so only the first
+    # hooked param counted its grad as received; Muon stepped the others' owners without it.
+    # GradReadyTracker.scan; tests/semantics/test_unfrozen_buckets.py.
+    "unfrozen_bucket_grads_before_hooks": Program(
+        optimizer="muon", steps=(StepSpec(),), frozen_at_wrap=("body", "head")
+    ),
+    # Found (3 ranks, seed 9203, programs 67/68): clipping by a nan norm on the step the scaler
+    # skipped left nan in a reduced grad's padding; the next step reduced no grad into that bucket,
+    # so the next norm was nan and every param became nan. GradSync._zero_absent_grads;
+    # tests/precision/test_skipped_overflow.py.
+    "nan_left_in_padding_after_a_skipped_overflow": Program(
+        optimizer="rmsprop",
+        steps=(
+            StepSpec(
+                frozen=("head", "body"),
+                expert_ranks="none",
+                micro_batches=2,
+                clip=5.0,
+                clamp_after=True,
+                swap_state=True,
+                freeze_before_step=("embed",),
+            ),
+            StepSpec(
+                frozen=("body", "embed"),
+                expert_ranks="some",
+                micro_batches=2,
+                zero_grad="optimizer_keep",
+                clip=0.05,
+                overflow=True,
+                clamp_after=True,
+                freeze_before_step=("expert", "embed"),
+            ),
+            StepSpec(frozen=("embed",), expert_ranks="some", micro_batches=2, clip=5.0, clamp_after=True),
+        ),
+        frozen_at_wrap=("embed", "head"),
+        scheduler="lambda",
+        bucket_size_mb=0.0002,
+        attach_model=False,
+        reuse_body=True,
+        extra_shapes=((2,), (8, 5), (5, 8, 5), ()),
+        two_groups=True,
+        scaler=True,
+        outside_weight=True,
+        empty_group=True,
+        layer_order=("head", "body", "expert", "embed"),
+    ),
 }
 
 HYBRID_CASES: dict[str, Program] = {
