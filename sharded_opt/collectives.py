@@ -98,6 +98,15 @@ Note [In-place all-gather on gloo]
     worker threads like its collectives, so the training thread does not copy messages (as it
     does on the point-to-point path).
 
+    But over a slow link the broadcasts are slower: on the emulated 200 Mbit/s link of
+    ``benchmarks.compare --preset comm-bound`` (2 ranks, 13 buckets of about 1 MiB) the sharded
+    collectives alone took 826 ms with them against 641 ms with gloo's all-gather, and overlap
+    fell from 0.90x to 1.14x DDP's step (``benchmarks/results/2026-12-05-compile-cpu-2core.md``).
+    So buckets below ``BROADCAST_ALL_GATHER_MIN_BYTES`` use gloo's own all-gather: its transient
+    copy of such a bucket, two in flight at most, stays within the 16 MiB that the reductions'
+    receive buffers are bounded by (Note [Bounded receive buffers] in ``bucket_comm``), so the
+    memory promise holds and only big buckets, where the copy would cost memory, broadcast.
+
 Note [Widening on receipt]
     bf16 grads are reduced in fp32 (Note [Mixed precision] in ``bucket_comm``). Where the slices
     are summed here on the host (CPU tensors on gloo, both paths above), they travel in bf16 and
@@ -198,6 +207,11 @@ def _reduce_scatter_by_all_to_all(
     return work.get_future().then(average)
 
 
+BROADCAST_ALL_GATHER_MIN_BYTES = 8 * 2**20
+"""Gathered buckets from this size up are all-gathered in place by broadcasts on CPU gloo; smaller
+ones by gloo's all-gather, see Note [In-place all-gather on gloo]."""
+
+
 def all_reduce_avg(tensor: Tensor, group: ProcessGroup, async_op: bool) -> Work | None:
     """Average ``tensor`` in place over the group."""
     return dist.all_reduce(tensor, op=ReduceOp.AVG, group=group, async_op=async_op)
@@ -217,6 +231,8 @@ def all_gather(
             works = _all_gather_by_p2p(output, input, group)
             if async_op:
                 return run_after(works, _nothing, "gloo:all_gather (point-to-point)")
+        elif output.numel() * output.element_size() < BROADCAST_ALL_GATHER_MIN_BYTES:
+            return _all_gather(output, input, group=group, async_op=async_op)
         else:
             works = _all_gather_by_broadcasts(output, input, group)
             if async_op:

@@ -102,17 +102,34 @@ def _widened_equals_cast(group: dist.ProcessGroup, inputs: list[torch.Tensor]) -
 
 
 def _all_gather_checks(group: dist.ProcessGroup) -> dict[str, dict[str, bool]]:
-    """On the point-to-point path and on the default one, which must not use gloo's own
-    all-gather (it gathers into a copy of the output, Note [In-place all-gather on gloo])."""
+    """On the point-to-point path, on the broadcasts that big buckets take (which must not use
+    gloo's own all-gather: it gathers into a copy of the output), and on gloo's all-gather that
+    buckets below ``BROADCAST_ALL_GATHER_MIN_BYTES`` take (Note [In-place all-gather on gloo])."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("gloo's all-gather ran on CPU tensors")
 
-    with mock.patch.object(collectives, "_all_gather", refuse):
-        return {
+    with (
+        mock.patch.object(collectives, "_all_gather", refuse),
+        mock.patch.object(collectives, "BROADCAST_ALL_GATHER_MIN_BYTES", 0),
+    ):
+        found = {
             "point_to_point": _all_gather_results(group, point_to_point=True),
             "broadcasts": _all_gather_results(group, point_to_point=False),
         }
+    gloo_calls = []
+    with mock.patch.object(collectives, "_all_gather", _counting(collectives._all_gather, gloo_calls)):
+        found["small_buckets"] = _all_gather_results(group, point_to_point=False)
+    found["small_buckets"]["gloo_all_gather_used"] = bool(gloo_calls)
+    return found
+
+
+def _counting(function, calls: list) -> Callable:
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    return counted
 
 
 def _all_gather_results(group: dist.ProcessGroup, point_to_point: bool) -> dict[str, bool]:
@@ -260,6 +277,12 @@ def test_all_gather_in_and_out_of_place_also_with_buckets_in_flight(results, lab
                 "in_place_equals_reference": True,
                 "sync_equals_reference": True,
             }, path
+        assert outcome["small_buckets"] == {
+            "out_of_place_equals_reference": True,
+            "in_place_equals_reference": True,
+            "sync_equals_reference": True,
+            "gloo_all_gather_used": True,
+        }
 
 
 @pytest.mark.parametrize("label", ["3 ranks", "2 ranks"])
