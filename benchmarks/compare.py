@@ -24,9 +24,9 @@ and the rest per rank (``benchmarks/step_split.py``), with the optimizer state p
 class (benchmarks/results/2026-12-04-muon.md).
 
 ``--compile`` runs every mode's forward under ``torch.compile`` (inductor unless a backend is
-named): DDP compiled whole, the sharded modes with the model attached, whose ``step()`` then waits
-for its all-gathers (Note [torch.compile] in ``sharded_opt/param_hooks.py``); compare its ratios
-with an eager run of the same command (benchmarks/results/2026-12-05-compile-cpu-2core.md).
+named): DDP compiled whole, the sharded modes with the model attached, whose graph waits for each
+param's all-gather before its first read (Note [torch.compile] in ``sharded_opt/compiled_waits.py``);
+compare its ratios with an eager run of the same command (benchmarks/results/).
 """
 
 from __future__ import annotations

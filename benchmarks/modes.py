@@ -223,7 +223,7 @@ def build_runner(name: str, spec: ModeSpec) -> Runner:
 def _compiled(runner: Runner, spec: ModeSpec) -> Runner:
     """``runner`` with its forward (the model, or DDP around it) compiled, as a user who compiles
     writes it: DDP is compiled whole (Dynamo splits its graph at DDP's buckets), the sharded
-    modes compile the attached model (see Note [torch.compile] in ``sharded_opt/param_hooks.py``)."""
+    modes compile the attached model (see Note [torch.compile] in ``sharded_opt/compiled_waits.py``)."""
     if spec.compile_backend is not None:
         runner.forward = torch.compile(runner.forward, backend=spec.compile_backend)
     return runner

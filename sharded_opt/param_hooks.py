@@ -39,8 +39,8 @@ Note [Reads right after step]
     waited for, a ``TorchFunctionMode`` watches every torch function: one given a tensor that
     lives in a param buffer still being gathered (the param itself, ``.data``, a view) first
     waits for that bucket's all-gather, and only that one, so the forward keeps overlapping
-    the later buckets' all-gathers. Under ``torch.compile`` it waits for all of them at the
-    first such call (a wait is a graph break). When the last pending bucket is waited for, by
+    the later buckets' all-gathers. Where Dynamo traces it, it puts the wait into the graph
+    instead (Note [torch.compile] in ``compiled_waits``). When the last pending bucket is waited for, by
     a module's pre-hook or by the mode itself, the mode stops watching and leaves the stack (a
     mode cannot leave the stack from inside its own handler, where torch has taken it off; it
     then leaves at the next wait). The end of the model's forward waits for whatever is still
@@ -83,14 +83,8 @@ Note [Scripted submodules]
     in and is refused as ``model=`` (``check_trained_modules``); without a model, ``step()``
     waits for its all-gathers before it returns, which any model can use.
 
-Note [torch.compile]
-    Waiting for a collective (``Work.wait()``) inside a compiled forward is a graph break in
-    every module that owns params, and an error with ``fullgraph=True``. So when Dynamo traces a
-    forward pre-hook (``torch.compiler.is_compiling()``), the hook records that the model runs
-    compiled and traces to nothing; from then on ``step()`` waits for its all-gathers before it
-    returns, as it does without a model. A compiled model thus loses the overlap of the
-    all-gather with the next forward (the reduce-scatter still overlaps backward: grad hooks run
-    in the eager autograd engine) but gets no graph break from the wrapper.
+Under ``torch.compile`` the waits are ops of the graph instead: see Note [torch.compile] in
+``compiled_waits``.
 """
 
 from __future__ import annotations
@@ -107,6 +101,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fusion.buffers import FlatBuffers
 from sharded_opt import collectives
+from sharded_opt.compiled_waits import TRACED_WAITS, WAIT_OP, GraphWaits, inline_only
 from sharded_opt.weak_hooks import WeakMethodHook, remove_handles
 
 _READS_CHILDRENS_PARAMS = (
@@ -162,7 +157,14 @@ class ParamReadyWaiter:
         self._names = [names.get(id(param), f"param {index}") for index, param in enumerate(buffers.params)]
         self._gathered_versions: dict[int, tuple[int, ...]] = {}
         self._compiled = _CompiledForward()
-        self._read_guard = _ReadGuard(buffers.param_buffers, self.finish)
+        slots = {
+            id(buffers.params[slot.param_index]): (slot.param_index, bucket_index)
+            for bucket_index, bucket in enumerate(buffers.plan.buckets)
+            for slot in bucket.slots
+        }
+        laid_out = [buffers.params[index] for index in buffers.laid_out_indices]
+        graph_waits = GraphWaits(self, laid_out, slots) if TRACED_WAITS else None
+        self._read_guard = _ReadGuard(buffers.param_buffers, self.finish, graph_waits)
         self.handles: list[RemovableHandle] = [
             model.register_forward_hook(_EagerOnly(self._end_of_forward)),
             self._read_guard,
@@ -178,7 +180,9 @@ class ParamReadyWaiter:
             if buckets:
                 hook = WeakMethodHook(self._wait_for, buckets)
                 forward_hook = _ForwardWait(
-                    self._wait_and_set_guard_aside if fused else self._wait_for, buckets, self._compiled
+                    self._wait_and_set_guard_aside if fused else self._wait_for,
+                    buckets,
+                    _CompiledWait(self._compiled, graph_waits, fused),
                 )
                 # First among the module's pre-hooks: one registered before wrapping may compute
                 # from the params (the old hook-based torch.nn.utils.weight_norm).
@@ -191,9 +195,18 @@ class ParamReadyWaiter:
 
     @property
     def forward_compiled(self) -> bool:
-        """The model's forward ran under ``torch.compile``: ``step()`` must wait for its
-        all-gathers itself, see Note [torch.compile]."""
+        """The model's forward ran under ``torch.compile`` of a torch that cannot trace the
+        waits: ``step()`` must wait for its all-gathers itself, see Note [torch.compile] in
+        ``compiled_waits``."""
         return self._compiled.seen
+
+    def wait_in_graph(self, bucket_index: int) -> None:
+        """The wait op of a compiled forward: wait for the bucket's all-gather if it is still
+        pending, see Note [torch.compile] in ``compiled_waits``. A compiled graph that
+        mutates a param (as its wait op is declared to) may bump the param's version before
+        the op runs, so writes are not checked here (Note [Writes while params are gathered])."""
+        if bucket_index in self._gathered_versions:
+            self.finish([bucket_index], check_writes=False)
 
     def gathers_started(self, bucket_indices: Iterable[int]) -> None:
         """Record the params' version counters as ``step()`` issues the buckets' all-gathers,
@@ -202,11 +215,12 @@ class ParamReadyWaiter:
             self._gathered_versions[index] = self._versions(index)
         self._read_guard.start(frozenset(self._gathered_versions))
 
-    def finish(self, bucket_indices: Iterable[int] | None = None) -> None:
+    def finish(self, bucket_indices: Iterable[int] | None = None, check_writes: bool = True) -> None:
         """Wait for the all-gathers of ``bucket_indices`` (default: all).
 
         Raises:
-            RuntimeError: a param of these buckets was written while it was being gathered.
+            RuntimeError: a param of these buckets was written while it was being gathered
+                (unless not ``check_writes``).
         """
         self._finish_param_sync(bucket_indices)
         if bucket_indices is None:
@@ -214,7 +228,7 @@ class ParamReadyWaiter:
         written: list[int] = []
         for index in bucket_indices:
             before = self._gathered_versions.pop(index, None)
-            if before is not None and before != self._versions(index):
+            if check_writes and before is not None and before != self._versions(index):
                 slots = self._buffers.plan.buckets[index].slots
                 written += [
                     s.param_index
@@ -302,9 +316,13 @@ class _ReadGuard(TorchFunctionMode):
     step]. ``remove()`` makes it a handle of its waiter."""
 
     def __init__(
-        self, param_buffers: list[torch.Tensor], finish: Callable[[Iterable[int] | None], None]
+        self,
+        param_buffers: list[torch.Tensor],
+        finish: Callable[[Iterable[int] | None], None],
+        graph_waits: GraphWaits | None,
     ) -> None:
         super().__init__()
+        self._graph_waits = graph_waits
         self._bucket_of_storage = {
             buffer.untyped_storage().data_ptr(): index for index, buffer in enumerate(param_buffers)
         }
@@ -348,14 +366,28 @@ class _ReadGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
         kwargs = kwargs or {}
+        if self._graph_waits is not None and torch.compiler.is_compiling():
+            # Dynamo traces this: the waits become ops of the graph (Note [torch.compile] in
+            # ``compiled_waits``).
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                self._graph_waits.before_body()
+            elif func not in _METADATA_FUNCTIONS:
+                self._graph_waits.before_reads(_tensors_in((args, tuple(kwargs.values())), []))
+            return func(*args, **kwargs)
         self._handling += 1
         try:
-            if self._pending and not self._aside and func not in _METADATA_FUNCTIONS:
+            if (
+                self._pending
+                and not self._aside
+                and func not in _METADATA_FUNCTIONS
+                and not _is_wait(func, args)
+            ):
                 touched = self._pending_buckets_in(args, set())
                 self._pending_buckets_in(kwargs.values(), touched)
                 finish = self._finish() if touched else None
                 if finish is not None:
-                    # A wait inside a compiled region is a graph break: wait for all at once.
+                    # Without traced waits a wait inside a compiled region is a graph break:
+                    # wait for all at once.
                     finish(None if torch.compiler.is_compiling() else sorted(touched))
             return func(*args, **kwargs)
         finally:
@@ -376,16 +408,58 @@ class _ReadGuard(TorchFunctionMode):
         return touched
 
 
+def _is_wait(func: Callable, args: tuple) -> bool:
+    """``func`` is a compiled graph's wait op (run as is, or inside the functionalization op of
+    a backend that runs graphs in Python): it waits by itself, see Note [torch.compile] in
+    ``compiled_waits``."""
+    return func is WAIT_OP or (len(args) > 0 and args[0] is WAIT_OP)
+
+
+def _tensors_in(values: Iterable[object], found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors among ``values``, in nested lists and tuples too."""
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            _tensors_in(value, found)
+        elif isinstance(value, torch.Tensor):
+            found.append(value)
+    return found
+
+
+inline_only(_ReadGuard.__torch_function__)
+
+
 class _CompiledForward:
-    """Whether Dynamo traced one of the forward pre-hooks, see Note [torch.compile]."""
+    """Whether Dynamo traced one of the forward pre-hooks where it cannot trace the waits, see
+    Note [torch.compile] in ``compiled_waits``."""
 
     def __init__(self) -> None:
         self.seen = False
 
 
+class _CompiledWait:
+    """What a module's forward pre-hook does while Dynamo traces it: the waits for the params
+    the module reads as ops of the graph, or (a torch that cannot trace them) record that the
+    forward runs compiled. See Note [torch.compile] in ``compiled_waits``."""
+
+    __slots__ = ("_compiled", "_graph_waits", "_whole_subtree")
+
+    def __init__(
+        self, compiled: _CompiledForward, graph_waits: GraphWaits | None, whole_subtree: bool
+    ) -> None:
+        self._compiled = compiled
+        self._graph_waits = graph_waits
+        self._whole_subtree = whole_subtree
+
+    def trace(self, module: nn.Module) -> None:
+        if self._graph_waits is None:
+            self._compiled.seen = True
+        else:
+            self._graph_waits.before_reads(_params_read_by(module, self._whole_subtree))
+
+
 class _EagerOnly(WeakMethodHook):
-    """A forward pre-hook that traces to nothing under ``torch.compile`` (Note [torch.compile]:
-    a compiled forward's ``step()`` leaves nothing pending)."""
+    """A forward hook that traces to nothing under ``torch.compile`` (its waits are ops of the
+    graph there, Note [torch.compile] in ``compiled_waits``)."""
 
     __slots__ = ()
 
@@ -396,21 +470,22 @@ class _EagerOnly(WeakMethodHook):
 
 
 class _ForwardWait(WeakMethodHook):
-    """The forward pre-hook: waits in eager mode, traces to nothing under ``torch.compile``."""
+    """The forward pre-hook: waits in eager mode, traces its waits into the graph under
+    ``torch.compile``."""
 
     __slots__ = ("_compiled",)
 
     def __init__(
-        self, method: Callable[..., None], buckets: tuple[int, ...], compiled: _CompiledForward
+        self, method: Callable[..., None], buckets: tuple[int, ...], compiled: _CompiledWait
     ) -> None:
         super().__init__(method, buckets)
         self._compiled = compiled
 
-    def __call__(self, *hook_args: object) -> None:
+    def __call__(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling():
-            self._compiled.seen = True
+            self._compiled.trace(module)
             return None
-        return super().__call__(*hook_args)
+        return super().__call__(module, args)
 
 
 def register_eager_pre_hook(module: nn.Module, method: Callable[[nn.Module, tuple], None]) -> RemovableHandle:

@@ -341,7 +341,8 @@ class ReadsAhead(nn.Module):
     penalty on the head's weight computed before the head runs, a layer used functionally
     (``F.linear`` on its weight, as tied or shared weights often are), params held in an
     ``nn.ParameterList`` (a module that never runs), and a branch that odd steps skip, whose
-    params the loss still reads after forward."""
+    params the loss still reads after forward. The functional use runs under activation
+    checkpointing: compiled, Dynamo traces its body without torch function modes."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -354,26 +355,32 @@ class ReadsAhead(nn.Module):
 
     def forward(self, x: torch.Tensor, use_skipped: bool) -> tuple[torch.Tensor, torch.Tensor]:
         penalty = self.head.weight.square().sum()
-        h = torch.tanh(F.linear(torch.tanh(self.first(x)), self.second.weight, self.second.bias))
+        h = checkpoint(self._second_functionally, torch.tanh(self.first(x)), use_reentrant=False)
         if use_skipped:
             h = self.skipped(h)
         return self.head(h * self.scales[0] + self.scales[1]), penalty
 
+    def _second_functionally(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(F.linear(h, self.second.weight, self.second.bias))
 
-def reads_ahead_loop(loop: Loop) -> dict:
+
+def reads_ahead_loop(loop: Loop, backend: str | None = None) -> dict:
     """Reads of params inside and right after forward that no module hook covers, while
     step()'s all-gathers (one per param: tiny buckets) are still pending: each must see this
-    step's weights."""
+    step's weights. With ``backend``, the forward runs under ``torch.compile(fullgraph=True)``
+    and the waits are ops of its graph (Note [torch.compile] in ``sharded_opt/compiled_waits``)."""
     model = ReadsAhead()
     params = list(model.parameters())
     opt = loop.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+    forward = model if backend is None else torch.compile(model, fullgraph=True, backend=backend)
     modes_after_forward = []
 
     def loss_of(step: int) -> Callable[[int], torch.Tensor]:
         def loss(index: int) -> torch.Tensor:
             x, y = _xy(step, index)
-            out, penalty = model(x, use_skipped=step % 2 == 0)
-            modes_after_forward.append(torch._C._len_torch_function_stack())  # none into backward
+            out, penalty = forward(x, use_skipped=step % 2 == 0)
+            if backend is None:  # a compiled forward leaves a skipped branch's bucket to the next read
+                modes_after_forward.append(torch._C._len_torch_function_stack())  # none into backward
             decay = sum(p.square().sum() for p in model.skipped.parameters())
             return F.mse_loss(out, y) + 1e-2 * penalty + 1e-2 * decay
 
@@ -384,7 +391,7 @@ def reads_ahead_loop(loop: Loop) -> dict:
         loop.backward(opt, params, loss_of(step))
         opt.step()
     loop.sync(opt)
-    return {"params": _snapshot(model), "modes_after_forward": max(modes_after_forward)}
+    return {"params": _snapshot(model), "modes_after_forward": max(modes_after_forward, default=0)}
 
 
 class PaddedEncoder(nn.Module):
@@ -532,6 +539,9 @@ def _jobs() -> dict[str, Callable[[], dict]]:
         "compile_later": lambda: _late_gathers(compile_later_loop),
         "device_block": lambda: _late_gathers(device_block_loop),
         "reads_ahead": lambda: _late_gathers(reads_ahead_loop, bucket_size_mb=0.0001),
+        "reads_ahead_compiled": lambda: _late_gathers(
+            lambda loop: reads_ahead_loop(loop, backend="inductor"), bucket_size_mb=0.0001
+        ),
         "padded_encoder_eval": lambda: _late_gathers(padded_encoder_loop),
     }
     for name in SCHEDULERS:
