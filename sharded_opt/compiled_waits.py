@@ -3,7 +3,7 @@
 Note [torch.compile]
     In eager mode a module waits for its buckets' all-gathers in a forward pre-hook, and the
     read guard waits before any other read of a param still being gathered (Note [No stale
-    params], Note [Reads right after step] in ``param_hooks``). Inside a compiled forward a
+    params], Note [Reads right after step] in ``read_guard``). Inside a compiled forward a
     Python wait (``Work.wait()``) is a graph break, and an error with ``fullgraph=True``. So
     there the wait is an op of the graph: where Dynamo traces the first read of a laid-out param
     in a graph (a module's pre-hook for the module's own params; the read guard, which Dynamo
