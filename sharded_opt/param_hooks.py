@@ -23,10 +23,11 @@ Note [No stale params]
     The contract: every param is current when anything reads it through torch: a module's own
     params when its forward starts, and any other read (code between ``step()`` and the next
     forward, a parent reading a child's weight before the child ran, a loss term over all
-    params after forward) through the read guard of Note [Reads right after step] (``read_guard``). Only reads
-    torch functions cannot see (another thread, ``torch._C.DisableTorchFunction()``, a CUDA
-    graph replay) need ``ShardingStage1.sync_params()`` first; ``step()``, ``state_dict()`` and
-    the wrapper's other entry points do so themselves.
+    params after forward) through the read guard of Note [Reads right after step] in
+    ``read_guard``. Only reads torch functions cannot see (another thread,
+    ``torch._C.DisableTorchFunction()``, a CUDA graph replay) need
+    ``ShardingStage1.sync_params()`` first; ``step()``, ``state_dict()`` and the wrapper's
+    other entry points do so themselves.
 
 Note [Writes while params are gathered]
     A write into a param while its all-gather is running is partly overwritten when the
@@ -105,8 +106,8 @@ class ParamReadyWaiter:
         buffers: FlatBuffers,
         finish_param_sync: Callable[[Iterable[int] | None], None],
     ) -> None:
-        bucket_of = {
-            id(buffers.params[slot.param_index]): slot.bucket_index
+        slot_of_param = {
+            id(buffers.params[slot.param_index]): (slot.param_index, slot.bucket_index)
             for bucket in buffers.plan.buckets
             for slot in bucket.slots
         }
@@ -123,13 +124,8 @@ class ParamReadyWaiter:
         self._names = [names.get(id(param), f"param {index}") for index, param in enumerate(buffers.params)]
         self._gathered_versions: dict[int, tuple[int, ...]] = {}
         self._compiled = _CompiledForward()
-        slots = {
-            id(buffers.params[slot.param_index]): (slot.param_index, bucket_index)
-            for bucket_index, bucket in enumerate(buffers.plan.buckets)
-            for slot in bucket.slots
-        }
         laid_out = [buffers.params[index] for index in buffers.laid_out_indices]
-        graph_waits = GraphWaits(self, laid_out, slots) if TRACED_WAITS else None
+        graph_waits = GraphWaits(self, laid_out, slot_of_param) if TRACED_WAITS else None
         self._read_guard = ReadGuard(buffers.param_buffers, self.finish, graph_waits)
         self.handles: list[RemovableHandle] = [
             model.register_forward_hook(_EagerOnly(self._end_of_forward)),
@@ -141,7 +137,13 @@ class ParamReadyWaiter:
                 continue  # runs no Python hooks: its eager parent waits for it, Note [Scripted submodules]
             fused = isinstance(module, _READS_CHILDRENS_PARAMS)
             buckets = tuple(
-                sorted({bucket_of[id(p)] for p in _params_read_by(module, fused) if id(p) in bucket_of})
+                sorted(
+                    {
+                        slot_of_param[id(p)][1]
+                        for p in _params_read_by(module, fused)
+                        if id(p) in slot_of_param
+                    }
+                )
             )
             if buckets:
                 hook = WeakMethodHook(self._wait_for, buckets)

@@ -15,8 +15,8 @@ Note [Reads right after step]
     lives in a param buffer still being gathered (the param itself, ``.data``, a view) first
     waits for that bucket's all-gather, and only that one, so the forward keeps overlapping
     the later buckets' all-gathers. Where Dynamo traces it, it puts the wait into the graph
-    instead (Note [torch.compile] in ``compiled_waits``). When the last pending bucket is waited for, by
-    a module's pre-hook or by the mode itself, the mode stops watching and leaves the stack (a
+    instead (Note [torch.compile] in ``compiled_waits``). When the last pending bucket is
+    waited for, by a module's pre-hook or by the mode itself, the mode stops watching and leaves the stack (a
     mode cannot leave the stack from inside its own handler, where torch has taken it off; it
     then leaves at the next wait). The end of the model's forward waits for whatever is still
     pending (buckets of modules the forward skipped, gathered long before), so the mode never
@@ -77,8 +77,8 @@ def _set_function_modes(modes: list[TorchFunctionMode]) -> None:
 
 class ReadGuard(TorchFunctionMode):
     """Before a torch function that touches a param buffer still being gathered, waits for that
-    bucket's all-gather (all of them under ``torch.compile``), see Note [Reads right after
-    step]. ``remove()`` makes it a handle of its waiter."""
+    bucket's all-gather (where Dynamo traces it: puts the wait into the graph), see Note [Reads
+    right after step]. ``remove()`` makes it a handle of its waiter."""
 
     def __init__(
         self,
@@ -97,7 +97,8 @@ class ReadGuard(TorchFunctionMode):
         """Depth of this mode's own handler (torch takes the mode off the stack while it runs,
         including the function it calls: a module called inside a checkpointed function)."""
         self._aside = 0
-        """How many modules of ``param_hooks._READS_CHILDRENS_PARAMS`` are running (the mode is off then)."""
+        """How many modules of ``param_hooks._READS_CHILDRENS_PARAMS`` are running (the mode is
+        off then)."""
 
     def start(self, pending: frozenset[int]) -> None:
         """``step()`` issued all-gathers: watch them (no module is running now)."""
@@ -105,8 +106,8 @@ class ReadGuard(TorchFunctionMode):
         self.watch(pending)
 
     def set_aside(self, aside: bool) -> None:
-        """Leave the stack while a module of ``param_hooks._READS_CHILDRENS_PARAMS`` runs (its subtree is
-        current), so its fast path sees no torch function mode; come back after it."""
+        """Leave the stack while a module of ``param_hooks._READS_CHILDRENS_PARAMS`` runs (its
+        subtree is current), so its fast path sees no torch function mode; come back after it."""
         self._aside = self._aside + 1 if aside else max(0, self._aside - 1)
         self.watch(self._pending)
 
@@ -137,7 +138,7 @@ class ReadGuard(TorchFunctionMode):
             if isinstance(func, torch._ops.HigherOrderOperator):
                 self._graph_waits.before_body()
             elif func not in _METADATA_FUNCTIONS:
-                self._graph_waits.before_reads(tensors_in((args, tuple(kwargs.values())), []))
+                self._graph_waits.before_reads(_tensors_in((args, tuple(kwargs.values())), []))
             return func(*args, **kwargs)
         self._handling += 1
         try:
@@ -145,10 +146,9 @@ class ReadGuard(TorchFunctionMode):
                 self._pending
                 and not self._aside
                 and func not in _METADATA_FUNCTIONS
-                and not is_wait(func, args)
+                and not _is_wait(func, args)
             ):
-                touched = self._pending_buckets_in(args, set())
-                self._pending_buckets_in(kwargs.values(), touched)
+                touched = self._pending_buckets_in(_tensors_in((args, tuple(kwargs.values())), []))
                 finish = self._finish() if touched else None
                 if finish is not None:
                     # Without traced waits a wait inside a compiled region is a graph break:
@@ -158,33 +158,33 @@ class ReadGuard(TorchFunctionMode):
         finally:
             self._handling -= 1
 
-    def _pending_buckets_in(self, values: Iterable[object], touched: set[int]) -> set[int]:
-        for value in values:
-            if isinstance(value, (list, tuple)):
-                self._pending_buckets_in(value, touched)
-            elif isinstance(value, torch.Tensor) and value.layout == torch.strided:
-                try:
-                    storage = value.untyped_storage().data_ptr()
-                except NotImplementedError:  # a wrapper without storage (torch.func.vmap's)
-                    continue
-                bucket = self._bucket_of_storage.get(storage)
-                if bucket is not None and bucket in self._pending:
-                    touched.add(bucket)
+    def _pending_buckets_in(self, tensors: list[torch.Tensor]) -> set[int]:
+        touched: set[int] = set()
+        for tensor in tensors:
+            if tensor.layout != torch.strided:
+                continue
+            try:
+                storage = tensor.untyped_storage().data_ptr()
+            except NotImplementedError:  # a wrapper without storage (torch.func.vmap's)
+                continue
+            bucket = self._bucket_of_storage.get(storage)
+            if bucket is not None and bucket in self._pending:
+                touched.add(bucket)
         return touched
 
 
-def is_wait(func: Callable, args: tuple) -> bool:
+def _is_wait(func: Callable, args: tuple) -> bool:
     """``func`` is a compiled graph's wait op (run as is, or inside the functionalization op of
     a backend that runs graphs in Python): it waits by itself, see Note [torch.compile] in
     ``compiled_waits``."""
     return func is WAIT_OP or (len(args) > 0 and args[0] is WAIT_OP)
 
 
-def tensors_in(values: Iterable[object], found: list[torch.Tensor]) -> list[torch.Tensor]:
+def _tensors_in(values: Iterable[object], found: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors among ``values``, in nested lists and tuples too."""
     for value in values:
         if isinstance(value, (list, tuple)):
-            tensors_in(value, found)
+            _tensors_in(value, found)
         elif isinstance(value, torch.Tensor):
             found.append(value)
     return found
