@@ -4,7 +4,9 @@ After construction every laid-out param's ``.data`` is a view into its bucket's 
 buffer (contiguous, or with the param's own strides, see Note [Memory format] in ``layout``)
 and, once the bucket has a grad buffer, its ``.grad`` a view of the same shape and strides into
 that buffer, so a bucket's params or grads can be handed to one collective or one optimizer
-kernel as a single tensor. A bucket of params that were frozen when the plan was made gets its
+kernel as a single tensor (except in a bucket that stages its grads: there ``.grad`` stays
+autograd's tensor and :meth:`FlatBuffers.stage_grads` copies it in, see Note [Staged grads] in
+``layout``). A bucket of params that were frozen when the plan was made gets its
 grad buffer only when :meth:`FlatBuffers.allocate_grads` is called (a param of it was unfrozen),
 so frozen weights cost no grad memory. This module knows nothing of communication; it only owns
 memory and views.
@@ -12,6 +14,7 @@ memory and views.
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
@@ -19,6 +22,8 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fusion.layout import BucketPlan, LayoutPlan, ParamSlot
+
+_grad_of = operator.attrgetter("grad")
 
 _LAID_OUT_IN: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """Each param -> a weak reference to the :class:`FlatBuffers` that laid it out last (see
@@ -78,7 +83,8 @@ class FlatBuffers:
         """Give the bucket its grad buffer and its params their grad views (a grad a param
         already has is copied in, unless its shape is not the param's: ``param.data`` was
         replaced by a tensor of another shape, as ``resize_token_embeddings`` does, and a grad
-        of the old shape means nothing for it); return False if the bucket already had one."""
+        of the old shape means nothing for it); return False if the bucket already had one.
+        A bucket that stages its grads keeps the views to itself and ``.grad`` as it is."""
         if self.grad_buffers[bucket_index] is not None:
             return False
         bucket = self.plan.buckets[bucket_index]
@@ -86,11 +92,13 @@ class FlatBuffers:
         for slot in bucket.slots:
             param = self.params[slot.param_index]
             grad_view = view_slot(grad_buffer[slot.offset : slot.offset + slot.numel], slot)
+            self.grad_views[slot.param_index] = grad_view
+            self.grad_addresses[slot.param_index] = grad_view.data_ptr()
+            if bucket.staged_grads:
+                continue
             if param.grad is not None and param.grad.shape == param.shape:
                 grad_view.copy_(param.grad)
             param.grad = grad_view
-            self.grad_views[slot.param_index] = grad_view
-            self.grad_addresses[slot.param_index] = grad_view.data_ptr()
         self.grad_buffers[bucket_index] = grad_buffer
         return True
 
@@ -104,15 +112,49 @@ class FlatBuffers:
         start, end = self.plan.buckets[bucket_index].shard_range(rank)
         return self._grad_buffer(bucket_index)[start:end]
 
-    def zero_grad(self) -> None:
-        """Zero every grad buffer in place (one kernel per bucket) and keep grads attached."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every grad buffer in place (one kernel per bucket) and keep grads attached; the
+        grads of a bucket that stages them are set to None, or zeroed in place, as torch's
+        ``zero_grad(set_to_none)`` does."""
         for bucket_index, grad_buffer in enumerate(self.grad_buffers):
             if grad_buffer is None:
+                continue
+            if self.plan.buckets[bucket_index].staged_grads:
+                self._zero_staged_grads(bucket_index, set_to_none)
                 continue
             for slot in self.plan.buckets[bucket_index].slots:
                 self._reattach_grad_view(slot.param_index, keep_values=False)  # zeroed next
                 self.params[slot.param_index].grad = self.grad_views[slot.param_index]
             grad_buffer.zero_()
+
+    def _zero_staged_grads(self, bucket_index: int, set_to_none: bool) -> None:
+        params = [self.params[slot.param_index] for slot in self.plan.buckets[bucket_index].slots]
+        if set_to_none:
+            for param in params:
+                param.grad = None
+            return
+        grads = [grad for grad in map(_grad_of, params) if grad is not None]
+        for grad in grads:  # as torch.optim.Optimizer.zero_grad: out of any graph first
+            if grad.grad_fn is not None:
+                grad.detach_()
+            else:
+                grad.requires_grad_(False)
+        if grads:
+            torch._foreach_zero_(grads)
+
+    @torch.no_grad()
+    def stage_grads(self, bucket_index: int) -> list[bool]:
+        """Copy the params' own grads into the grad buffer of a bucket that stages them (zeros
+        where a param has none, and in the padding), in one foreach copy; return per slot
+        whether its param has a grad. See Note [Staged grads] in ``layout``."""
+        slots = self.plan.buckets[bucket_index].slots
+        grads = [self.params[slot.param_index].grad for slot in slots]
+        present = [grad is not None for grad in grads]
+        views = [self.grad_views[slot.param_index] for slot, has in zip(slots, present, strict=True) if has]
+        self._grad_buffer(bucket_index).zero_()
+        if views:
+            torch._foreach_copy_(views, [grad for grad in grads if grad is not None])
+        return present
 
     def adopt_grad(self, param_index: int) -> bool:
         """Make ``param.grad`` its buffer view again; return True if it had to be re-pointed.

@@ -73,6 +73,21 @@ Note [Whole params per owner]
     sets, stays balanced over the whole model and not only within each bucket. Frozen params
     are laid out the same way but add no work. The price is padding: at most the largest
     param of a bucket per shard, reported by ``LayoutPlan.padding_numel``.
+
+Note [Staged grads]
+    A bucket's grads are normally views of its flat grad buffer, so backward accumulates straight
+    into the memory the reduction reads, and the wrapper learns of each grad from a hook on its
+    param. With many tiny params (a model of 10,000 scalars, per-channel gates) that costs a
+    Python call and an in-place add per param per backward, which plain torch does not pay (it
+    keeps autograd's grad tensor): above 1.26 times plain torch's backward before the hook does
+    anything. A bucket of at least ``STAGED_GRADS_MIN_PARAMS`` params that are all below one
+    aligned block (the densely packed ones, see Note [Alignment and padding]) therefore *stages*
+    its grads: ``param.grad`` stays autograd's own tensor, as in torch (None until a backward
+    reaches the param, None again after ``zero_grad()``), and the whole bucket is copied into
+    its grad buffer in one ``torch._foreach_copy_`` right before its reduction, which therefore
+    runs at ``step()`` in both modes. A bucket with a larger param, or with fewer small params,
+    keeps views and hooks: its reduction can then start during backward, and its few hooks cost
+    nothing that shows. Whether a bucket stages is a fact of the layout, the same on every rank.
 """
 
 from __future__ import annotations
@@ -90,6 +105,10 @@ see Note [Alignment and padding]."""
 DEFAULT_ALIGN_BYTES = 256
 """Param and shard start alignment; 256 bytes covers 128-byte cache lines and GPU vector loads.
 Params smaller than this are packed densely, see Note [Alignment and padding]."""
+
+STAGED_GRADS_MIN_PARAMS = 64
+"""A bucket of at least this many params, each smaller than one aligned block, stages its grads
+instead of viewing them, see Note [Staged grads]."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +209,9 @@ class BucketPlan:
     requires_grad: bool = True
     whole_params: bool = False
     """Each param lies inside one rank's shard, see Note [Whole params per owner]."""
+    staged_grads: bool = False
+    """Grads stay autograd's tensors and are copied into the grad buffer before the reduction,
+    see Note [Staged grads]."""
 
     @property
     def shard_numel(self) -> int:
@@ -391,7 +413,13 @@ def _build_bucket(
         padded,
         world_size,
         first.requires_grad,
+        staged_grads=_stages_grads(members, align),
     )
+
+
+def _stages_grads(members: list[tuple[int, ParamSpec]], align: int) -> bool:
+    """Whether a bucket of ``members`` stages its grads, see Note [Staged grads]."""
+    return len(members) >= STAGED_GRADS_MIN_PARAMS and all(spec.numel < align for _, spec in members)
 
 
 def _build_owned_bucket(
@@ -439,6 +467,7 @@ def _build_owned_bucket(
         world_size,
         first.requires_grad,
         whole_params=True,
+        staged_grads=_stages_grads(members, align),
     )
 
 

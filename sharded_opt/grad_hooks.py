@@ -183,6 +183,10 @@ class GradReadyTracker:
         self._launcher = launcher
         self._grad_streams = grad_streams
         self._buckets = buffers.plan.buckets
+        self._staged = [bucket.staged_grads for bucket in self._buckets]
+        self.stages_any = any(self._staged)
+        """Some bucket stages its grads (Note [Staged grads] in ``fusion.layout``): its reduction,
+        and the sharing of the last presence flags, wait for ``step()``."""
         num_params = len(buffers.params)
         self._bucket_of = [-1] * num_params
         for bucket in self._buckets:
@@ -192,6 +196,7 @@ class GradReadyTracker:
         """Per param, 1 if a grad reached it since grads were last set to none."""
         self._hooked = bytearray(num_params)
         self._expected = [0] * len(self._buckets)
+        self._to_count = [0] * len(self._buckets)
         self.accumulate_only = False
         """True inside ``no_sync()``: grads accumulate in the buffers and nothing is launched."""
         self.handles: list[RemovableHandle] = []
@@ -251,7 +256,9 @@ class GradReadyTracker:
                 continue
             bucket_index = self._bucket_of[index]
             expected[bucket_index] += 1
-            if not self._hooked[index]:
+            if self._staged[bucket_index]:
+                self._shards.materialize(bucket_index)  # no hook: grads are read at step()
+            elif not self._hooked[index]:
                 # Read before any hook is added: giving a bucket its grad buffer points every
                 # param of it at its view, so a grad that arrived before the hook would look like
                 # the view's own for the bucket's later params.
@@ -260,14 +267,17 @@ class GradReadyTracker:
         for index, bucket_index, param, arrived in to_hook:
             self._hook(index, bucket_index, param, arrived)
         self._expected = expected
+        self._to_count = [0 if staged else n for staged, n in zip(self._staged, expected, strict=True)]
         self._requires_grad_at_scan = requires_grad
         frozen_in: list[list[int]] = [[] for _ in self._buckets]
         for index in self._buffers.laid_out_indices:
             bucket_index = self._bucket_of[index]
+            if self._staged[bucket_index]:
+                continue  # staging copies every grad held, frozen or not
             if not params[index].requires_grad and self._buffers.grad_buffers[bucket_index] is not None:
                 frozen_in[bucket_index].append(index)
         self._frozen_in = frozen_in
-        """Per bucket with a grad buffer, its params that do not require grad now."""
+        """Per bucket with a grad buffer and views, its params that do not require grad now."""
 
     def _hook(self, index: int, bucket_index: int, param: Tensor, arrived_before_hook: bool) -> None:
         self._shards.materialize(bucket_index)
@@ -335,7 +345,7 @@ class GradReadyTracker:
         counts = self._counts
         counts[bucket_index] += 1
         # Only a bucket that just completed can extend the launched prefix.
-        if counts[bucket_index] >= self._expected[bucket_index]:
+        if counts[bucket_index] >= self._to_count[bucket_index]:
             self._launch_ready()
 
     def _restart(self) -> None:
@@ -348,17 +358,35 @@ class GradReadyTracker:
     def _launch_ready(self) -> None:
         while (
             self._next_to_launch < len(self._buckets)
-            and self._counts[self._next_to_launch] >= self._expected[self._next_to_launch]
+            and self._counts[self._next_to_launch] >= self._to_count[self._next_to_launch]
         ):
             self._launch(self._next_to_launch)
 
     def _launch(self, bucket_index: int) -> None:
-        if self.takes_part(bucket_index):
+        """Launch one bucket in order; a bucket that stages its grads is passed over here and
+        launched by ``step()`` after staging, and so are the last presence flags."""
+        if self.takes_part(bucket_index) and not self._staged[bucket_index]:
             self.settle_frozen(bucket_index)
             self._launcher.start_bucket_grad_sync(bucket_index)
         self._next_to_launch = bucket_index + 1
-        if self._next_to_launch == len(self._buckets):
+        if self._next_to_launch == len(self._buckets) and not self.stages_any:
             self._launcher.all_buckets_launched()
+
+    def staged_buckets(self) -> list[int]:
+        """The buckets that stage their grads and take part (as of the last scan), in order."""
+        return [b for b, staged in enumerate(self._staged) if staged and self.takes_part(b)]
+
+    def stage_grads(self) -> None:
+        """Copy the grads of every bucket that stages them into its grad buffer and record which
+        params hold one: for them ``received`` is ``param.grad is not None``, read now (Note
+        [Staged grads] in ``fusion.layout``)."""
+        received = self.received
+        for bucket in self._buckets:
+            if not bucket.staged_grads or self._buffers.grad_buffers[bucket.index] is None:
+                continue
+            present = self._buffers.stage_grads(bucket.index)
+            for slot, has_grad in zip(bucket.slots, present, strict=True):
+                received[slot.param_index] = has_grad
 
     def adopt_all(self) -> None:
         """Re-point every grad of a param that requires grad into its buffer (sync mode, before
@@ -403,6 +431,8 @@ class GradReadyTracker:
         self.settle_frozen(bucket_index)
 
     def _adopt_uncounted_trainable(self, bucket_index: int) -> None:
+        if self._staged[bucket_index]:
+            return  # see stage_grads
         params, buffers = self._buffers.params, self._buffers
         for slot in self._buckets[bucket_index].slots:
             index = slot.param_index

@@ -62,6 +62,7 @@ Note [A step without backward]
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 
 import torch
@@ -113,7 +114,12 @@ class GradSync:
         )
         self._local_presence = bytearray(len(shards.buffers.params))
         self._grads_reduced = False
-        self._grads_at_step: tuple[list[int | None], list[bool]] | None = None
+        self._grads_at_step: _GradsSnapshot | None = None
+        staged = [bucket for bucket in self._buckets if bucket.staged_grads]
+        self._staged_indices = [slot.param_index for bucket in staged for slot in bucket.slots]
+        self._viewed_indices = [
+            slot.param_index for bucket in self._buckets if not bucket.staged_grads for slot in bucket.slots
+        ]
 
     # -- the iteration -----------------------------------------------------------------------
 
@@ -139,8 +145,14 @@ class GradSync:
                     "last micro-batch's backward, then call step()"
                 )
             self.tracker.flush()
+            self.tracker.stage_grads()
+            for bucket_index in self.tracker.staged_buckets():
+                self.start_bucket_grad_sync(bucket_index)
+            if self.tracker.stages_any:
+                self.all_buckets_launched()
         else:
             self.tracker.adopt_all()
+            self.tracker.stage_grads()
             for bucket in self._buckets:
                 if self.tracker.takes_part(bucket.index):
                     self.start_bucket_grad_sync(bucket.index)
@@ -180,7 +192,7 @@ class GradSync:
             # torch's zero_grad(set_to_none=False) leaves a None grad None (a layer whose grads
             # model.zero_grad() dropped): it stays without a grad, though its view is zeroed too.
             self.tracker.forget_none_grads()
-        self._buffers.zero_grad()
+        self._buffers.zero_grad(set_to_none)
         self._grads_at_step = None
         if set_to_none:
             self.tracker.clear_received()
@@ -258,10 +270,12 @@ class GradSync:
 
     # -- reuse of the last step's grads ---------------------------------------------------------
 
-    def _grads_snapshot(self) -> tuple[list[int | None], list[bool]]:
-        """What tells whether grads changed since: the grad buffers' versions and which params'
-        grads are their buffer views; see Note [A step without backward]."""
-        return self._grad_versions(), self._grads_are_views()
+    def _grads_snapshot(self) -> _GradsSnapshot:
+        """What tells whether grads changed since: the grad buffers' versions, which params'
+        grads are their buffer views, and the staged grads themselves with their versions (Note
+        [Staged grads] in ``fusion.layout``); see Note [A step without backward]."""
+        staged = self._staged_grads()
+        return self._grad_versions(), self._grads_are_views(), staged, _versions(staged)
 
     def _grad_versions(self) -> list[int | None]:
         return [None if buffer is None else buffer._version for buffer in self._buffers.grad_buffers]
@@ -270,11 +284,20 @@ class GradSync:
         views = self._buffers.grad_views
         return [param.grad is views[index] for index, param in enumerate(self._buffers.params)]
 
+    def _staged_grads(self) -> list[torch.Tensor | None]:
+        return [self._buffers.params[index].grad for index in self._staged_indices]
+
     def _grads_unchanged_since_step(self) -> bool:
         if self._grads_at_step is None:
             return False
-        versions, are_views = self._grads_at_step
-        return versions == self._grad_versions() and are_views == self._grads_are_views()
+        versions, are_views, staged, staged_versions = self._grads_at_step
+        staged_now = self._staged_grads()
+        return (
+            versions == self._grad_versions()
+            and are_views == self._grads_are_views()
+            and all(map(operator.is_, staged, staged_now))
+            and staged_versions == _versions(staged_now)
+        )
 
     @torch.no_grad()
     def _zero_absent_grads(self) -> None:
@@ -336,10 +359,10 @@ class GradSync:
         (``p.grad = p.grad.clamp(...)``) would be silently ignored, so both are refused."""
         if not self.overlap:
             return
-        views = self._buffers.grad_views
+        views, params = self._buffers.grad_views, self._buffers.params
         dropped, replaced = [], []
-        for index, param in enumerate(self._buffers.params):
-            grad = param.grad
+        for index in self._viewed_indices:  # staged grads are read at step(), as they are then
+            grad = params[index].grad
             if self._local_presence[index] and grad is not views[index]:
                 (dropped if grad is None else replaced).append(index)
         if dropped:
@@ -362,6 +385,15 @@ class GradSync:
                 "DistributedDataParallel(gradient_as_bucket_view=True) around the model replaces "
                 f"grads this way: {DROP_DDP}"
             )
+
+
+_GradsSnapshot = tuple[list[int | None], list[bool], list[torch.Tensor | None], list[int | None]]
+"""Grad buffer versions, grads that are views, staged grads and their versions: see
+:meth:`GradSync._grads_snapshot`."""
+
+
+def _versions(grads: list[torch.Tensor | None]) -> list[int | None]:
+    return [None if grad is None else grad._version for grad in grads]
 
 
 def _flag_device(shards: OptimizerShards) -> torch.device:

@@ -215,6 +215,10 @@ class Program:
     layer_order: tuple[str, ...] = LAYERS
     """The order the layers are registered (and so the order of params in the optimizer and its
     buckets); the forward runs embed, body, expert, head whatever it is."""
+    gates: int = 0
+    """Scalar gates of the expert layer (part of it: frozen with it, reached only on the ranks
+    that run it). Enough of them fill buckets of small params only, which stage their grads
+    (Note [Staged grads] in ``fusion.layout``): no hooks, grads read at ``step()``."""
     state_at_start: Literal["state_dict", "checkpoint"] | None = None
     """Before the first backward and any ``zero_grad``: "state_dict" swaps the optimizers'
     state dicts (both must be alike: no state, the same groups); "checkpoint" saves the
@@ -227,6 +231,17 @@ EMA_DECAY = 0.75
 LAYER_SHAPES = {"embed": (IN_FEATURES, 8), "body": (8, 8), "expert": (8, 8), "head": (8, 2)}
 
 
+class GatedLinear(nn.Linear):
+    """A ``Linear`` whose output is scaled by ``1 + mean(tanh(gates))`` of its scalar gates."""
+
+    def __init__(self, in_features: int, out_features: int, gates: int) -> None:
+        super().__init__(in_features, out_features)
+        self.gates = nn.ParameterList(nn.Parameter(torch.tensor(0.1 * (i % 7) - 0.3)) for i in range(gates))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (1 + torch.stack(list(self.gates)).tanh().mean())
+
+
 class ExpertModel(nn.Module):
     def __init__(
         self,
@@ -234,11 +249,15 @@ class ExpertModel(nn.Module):
         extra_shapes: tuple[tuple[int, ...], ...] = (),
         layer_order: tuple[str, ...] = LAYERS,
         empty_params: bool = False,
+        gates: int = 0,
     ) -> None:
         super().__init__()
         self.reuse_body = reuse_body
         self.empty_params = empty_params
         for index, name in enumerate(layer_order):
+            if name == "expert" and gates:
+                self.add_module(name, GatedLinear(*LAYER_SHAPES[name], gates))
+                continue
             self.add_module(name, nn.Linear(*LAYER_SHAPES[name]))
             if empty_params and index == 0:  # between other params, where the layout packs them
                 with warnings.catch_warnings():  # "Initializing zero-element tensors is a no-op"
@@ -264,7 +283,9 @@ class ExpertModel(nn.Module):
 
 def make_model(program: Program) -> ExpertModel:
     torch.manual_seed(0)
-    model = ExpertModel(program.reuse_body, program.extra_shapes, program.layer_order, program.empty_params)
+    model = ExpertModel(
+        program.reuse_body, program.extra_shapes, program.layer_order, program.empty_params, program.gates
+    )
     bf16 = program.bf16_master
     return model.to(torch.bfloat16) if bf16 else model
 
@@ -982,13 +1003,16 @@ def programs(draw) -> Program:
         ]
     else:
         program_steps = [dataclasses.replace(step, overflow=False) for step in program_steps]
+    gates = draw(st.sampled_from([0, 0, 0, 96, 200]))
+    # 1000-byte buckets hold 250 fp32 (500 bf16) scalars: a bucket of gates only, which stages.
+    bucket_sizes = [0.0002, 0.0005, None, 25.0] + ([0.001, 0.001] if gates else [])
     return Program(
         optimizer=draw(st.sampled_from(sorted(OPTIMIZERS))),
         steps=tuple(program_steps),
         frozen_at_wrap=draw(frozen_layers),
         scheduler=draw(st.sampled_from([None, "step", "lambda"])),
         scheduler_before_wrap=draw(st.booleans()),
-        bucket_size_mb=draw(st.sampled_from([0.0002, 0.0005, None, 25.0])),
+        bucket_size_mb=draw(st.sampled_from(bucket_sizes)),
         bf16_master=bf16,
         attach_model=draw(st.booleans()),
         reuse_body=draw(st.booleans()),
@@ -999,6 +1023,7 @@ def programs(draw) -> Program:
         ema=not bf16 and draw(st.booleans()),
         kernels=draw(kernels),
         empty_params=draw(st.booleans()),
+        gates=gates,
         empty_group=draw(st.booleans()),
         layer_order=draw(st.one_of(st.just(LAYERS), st.permutations(LAYERS).map(tuple))),
         # A checkpoint costs a DCP save and load (a few tenths of a second): drawn rarely.

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from fusion.layout import (
     DEFAULT_ALIGN_BYTES,
+    STAGED_GRADS_MIN_PARAMS,
     LayoutPlan,
     ParamSlot,
     ParamSpec,
@@ -328,6 +329,30 @@ def test_small_params_pack_densely_big_ones_stay_aligned():
         ShardPiece(1, 0, 64, 64),
     )
     assert bucket.shard_pieces(1) == (ShardPiece(0, 0, 0, 10),)
+
+
+@pytest.mark.parametrize("whole_params", [False, True])
+def test_buckets_of_many_small_params_only_stage_their_grads(whole_params):
+    # Note [Staged grads]: at least STAGED_GRADS_MIN_PARAMS params, each below one aligned block
+    # (64 fp32 elements here).
+    cost = (lambda shape: math.prod(shape)) if whole_params else None
+
+    def staged(specs, bucket_bytes=1 << 20):
+        plan = plan_layout(specs, 2, align_bytes=256, bucket_size_bytes=bucket_bytes, whole_param_cost=cost)
+        return [bucket.staged_grads for bucket in plan.buckets]
+
+    many = [spec(3) for _ in range(STAGED_GRADS_MIN_PARAMS)]
+    assert staged(many) == [True]
+    assert staged(many[1:]) == [False]  # too few for hooks to cost anything that shows
+    assert staged([*many, spec(64)]) == [False]  # one aligned param: views and hooks
+    assert staged([*many, spec(63)]) == [True]
+    # Each bucket decides alone: 3 * 64 scalars in 256-byte buckets, 64 each (the bound is per
+    # shard with whole params: 128 and 64); 130 in 65 and 65, or all in one.
+    scalars = [spec(1) for _ in range(3 * 64)]
+    assert staged(scalars, bucket_bytes=256) == [True] * (3 if cost is None else 2)
+    assert staged(scalars[:130], bucket_bytes=260) == ([True, True] if cost is None else [True])
+    frozen = [ParamSpec(s.shape, s.dtype, s.device, s.group_index, requires_grad=False) for s in many]
+    assert staged(frozen) == [True]
 
 
 def test_small_params_start_where_their_wider_views_are_possible():

@@ -203,6 +203,44 @@ CASES: dict[str, Program] = {
         empty_group=True,
         layer_order=("head", "body", "expert", "embed"),
     ),
+    # Buckets of gates only stage their grads (Note [Staged grads] in fusion/layout.py): no
+    # hooks, presence read at step() from `param.grad is not None`, every zeroing, freezing and
+    # reuse habit of the harness over them, the gates reached on some ranks only.
+    "staged_gates_every_habit": Program(
+        optimizer="adamw",
+        steps=(
+            StepSpec(expert_ranks="some", zero_grad="model"),
+            StepSpec(expert_ranks="some", zero_grad="optimizer_keep", step_twice=True),
+            StepSpec(expert_ranks="none", zero_grad="none", micro_batches=2),
+            StepSpec(skip_backward=True, zero_grad="none"),
+            StepSpec(expert_ranks="some", freeze_before_step=("expert",), clip=0.05),
+            StepSpec(frozen=("expert",), zero_grad="none"),
+            StepSpec(expert_ranks="some", zero_grad="submodule", read_after=True),
+        ),
+        bucket_size_mb=0.001,
+        gates=200,
+        two_groups=True,
+    ),
+    "staged_gates_scaler_bf16": Program(
+        optimizer="adam",
+        steps=(
+            StepSpec(expert_ranks="some", overflow=True),
+            StepSpec(clip=0.05, micro_batches=2),
+            StepSpec(expert_ranks="some", swap_state=True),
+        ),
+        frozen_at_wrap=("expert",),
+        bucket_size_mb=0.001,
+        gates=200,
+        bf16_master=True,
+        scaler=True,
+    ),
+    "staged_gates_whole_params": Program(
+        optimizer="adafactor",
+        steps=(StepSpec(expert_ranks="some"), StepSpec(zero_grad="model", step_twice=True), StepSpec()),
+        bucket_size_mb=0.001,
+        gates=200,
+        state_at_start="checkpoint",
+    ),
 }
 
 HYBRID_CASES: dict[str, Program] = {
@@ -222,6 +260,13 @@ HYBRID_CASES: dict[str, Program] = {
         degree=2,
         device_mesh=True,
         outside_weight=True,
+    ),
+    "hybrid_staged_gates": Program(
+        optimizer="sgd",
+        steps=(StepSpec(expert_ranks="some"), StepSpec(zero_grad="model", expert_ranks="some"), StepSpec()),
+        bucket_size_mb=0.001,
+        gates=200,
+        degree=2,
     ),
 }
 
