@@ -8,7 +8,8 @@ Note [torch.compile]
     there the wait is an op of the graph: where Dynamo traces the first read of a laid-out param
     in a graph (a module's pre-hook for the module's own params; the read guard, which Dynamo
     traces like any torch function mode, for every other torch function given a param), it
-    inserts ``sharded_opt::wait_for_param(param, param, waiter, bucket)`` before the read.
+    inserts ``sharded_opt::wait_for_param(param, param, after, waiter, bucket)`` before the
+    read.
 
     The op waits for the bucket's all-gather if it is still pending and is declared to mutate
     ``param``. After functionalization every later read of the param in the graph takes the
@@ -24,6 +25,17 @@ Note [torch.compile]
     the version counter of a param the graph mutates before the op runs, so the waits of a
     graph do not check for writes during the all-gather (Note [Writes while params are
     gathered] holds for eager forwards and reads outside the graph).
+
+Note [Waits after their inputs]
+    The op also takes the input of the module (or the other tensor arguments of the call) whose
+    read of the param it precedes, and ignores it: the dependency keeps Inductor from running
+    the wait before that input exists. Without it Inductor fused each block's residual add with
+    the next block's layer norm into one kernel, which needs the layer norm's weight, so the
+    next block's all-gather was waited for before the current block's last kernels ran: on the
+    comm-bound preset a compiled overlap hid 11 % of the communication where eager hid 21 %
+    (``benchmarks/results/2026-12-05-compiled-waits-cpu-2core.md``). With the input an argument
+    of the wait, the add must finish before the wait and the layer norm start after it, so the
+    two stay separate kernels and each wait sits where the eager pre-hook waits.
 
     Three lookups are module-level because a graph carries only ints and tensors: the op finds
     its waiter by token in a weak dictionary (as torch's functional collectives find their
@@ -75,7 +87,7 @@ _FIRST_READS: weakref.WeakKeyDictionary[object, set[tuple[int, int]]] = weakref.
 
 
 @torch.library.custom_op("sharded_opt::wait_for_param", mutates_args=("param",))
-def _wait_for_param(param: Tensor, gathered: Tensor, waiter: int, bucket: int) -> None:
+def _wait_for_param(param: Tensor, gathered: Tensor, after: Tensor | None, waiter: int, bucket: int) -> None:
     found = _WAITERS.get(waiter)
     if found is not None:
         found.wait_in_graph(bucket)
@@ -86,7 +98,7 @@ def _wait_for_param(param: Tensor, gathered: Tensor, waiter: int, bucket: int) -
 
 
 @_wait_for_param.register_fake
-def _(param: Tensor, gathered: Tensor, waiter: int, bucket: int) -> None:
+def _(param: Tensor, gathered: Tensor, after: Tensor | None, waiter: int, bucket: int) -> None:
     return None
 
 
@@ -137,14 +149,23 @@ class GraphWaits:
         follows, which Dynamo traces without torch function modes (Note [torch.compile])."""
         self.before_reads(_PARAMS[self._token])
 
-    def before_reads(self, tensors: Iterable[object]) -> None:
-        """Trace the waits of the params among ``tensors`` whose first read this is."""
+    def before_reads(self, tensors: Iterable[object], inputs: Iterable[object] = ()) -> None:
+        """Trace the waits of the params among ``tensors`` whose first read this is, each after
+        the first tensor among ``inputs`` that is not a param (the module's input, the other
+        arguments of the call), see Note [Waits after their inputs]."""
+        after = next((t for t in inputs if isinstance(t, Tensor) and not _is_param(t)), None)
         for tensor in tensors:
             # ``id()`` of a traced tensor is guarded on: only on params (stable objects), never
             # on inputs or activations, which would recompile every step.
-            if not (isinstance(tensor, nn.Parameter) or (tensor.is_leaf and tensor.requires_grad)):
+            if not _is_param(tensor):
                 continue
             slot = self._slot_of_param.get(id(tensor))
             if slot is not None and _first_read_in_graph(self._token, slot[0]):
                 with torch.no_grad():
-                    torch.ops.sharded_opt.wait_for_param(tensor, tensor, self._token, slot[1])
+                    torch.ops.sharded_opt.wait_for_param(tensor, tensor, after, self._token, slot[1])
+
+
+def _is_param(tensor: object) -> bool:
+    return isinstance(tensor, nn.Parameter) or (
+        isinstance(tensor, Tensor) and tensor.is_leaf and tensor.requires_grad
+    )

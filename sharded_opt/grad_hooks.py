@@ -8,7 +8,9 @@ Note [Which params got a grad]
     modes. A grad assigned by other code (``param.grad = g``) counts as received when it is
     adopted into the buffer; a grad set to None (``model.zero_grad()``) counts as none. The
     record is cleared by ``zero_grad(set_to_none=True)`` only, so grads that are never zeroed
-    keep counting, as they do in torch.
+    keep counting, as they do in torch. A bucket that stages its grads has no hooks: its grads
+    stay autograd's, and ``param.grad is not None`` read at ``step()`` is the record (Note
+    [Staged grads] in ``fusion.layout``).
 
     ``requires_grad`` can change after wrapping (freezing, gradual unfreezing). It is read again
     at the first hook of every backward and before every reduction (:meth:`GradReadyTracker.scan`):

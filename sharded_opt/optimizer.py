@@ -91,7 +91,9 @@ class ShardingStage1(torch.optim.Optimizer):
         RuntimeError: no initialized process group.
 
     Grads: ``param.grad`` stays a view of the flat grad buffer and holds this rank's local
-    (not averaged) grad; the averaged grad of the local shard is what the optimizer steps.
+    (not averaged) grad; the averaged grad of the local shard is what the optimizer steps. A
+    bucket of many tiny params keeps autograd's own grads instead and copies them in at
+    ``step()`` (Note [Staged grads] in ``fusion.layout``).
 
     The runtime pieces are attributes for the library's own checkpointing and scaler (and for
     tests and benchmarks), not for training code: ``plan`` (the bucket layout), ``shards``

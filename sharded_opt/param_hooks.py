@@ -272,11 +272,11 @@ class _CompiledWait:
         self._graph_waits = graph_waits
         self._whole_subtree = whole_subtree
 
-    def trace(self, module: nn.Module) -> None:
+    def trace(self, module: nn.Module, args: tuple) -> None:
         if self._graph_waits is None:
             self._compiled.seen = True
         else:
-            self._graph_waits.before_reads(_params_read_by(module, self._whole_subtree))
+            self._graph_waits.before_reads(_params_read_by(module, self._whole_subtree), args)
 
 
 class _EagerOnly(WeakMethodHook):
@@ -305,7 +305,7 @@ class _ForwardWait(WeakMethodHook):
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling():
-            self._compiled.trace(module)
+            self._compiled.trace(module, args)
             return None
         return super().__call__(module, args)
 

@@ -138,7 +138,8 @@ class ReadGuard(TorchFunctionMode):
             if isinstance(func, torch._ops.HigherOrderOperator):
                 self._graph_waits.before_body()
             elif func not in _METADATA_FUNCTIONS:
-                self._graph_waits.before_reads(_tensors_in((args, tuple(kwargs.values())), []))
+                tensors = _tensors_in((args, tuple(kwargs.values())), [])
+                self._graph_waits.before_reads(tensors, tensors)
             return func(*args, **kwargs)
         self._handling += 1
         try:
