@@ -76,6 +76,9 @@ def sharded_memory(
     params = sum(_nbytes(b.padded_numel, b.dtype) for b in plan.buckets)
     live = [b for b in plan.buckets if b.requires_grad or materialize_all]
     grads = sum(_nbytes(b.padded_numel, b.dtype) for b in live)
+    # A bucket that stages its grads also leaves autograd's own grad tensors in place (Note
+    # [Staged grads] in ``fusion.layout``).
+    grads += sum(_nbytes(b.used_numel, b.dtype) for b in live if b.staged_grads)
     reduced = master = state = 0
     for bucket in live:
         precision = precisions[bucket.index]

@@ -254,6 +254,7 @@ def _sharded_mode(inputs: _Inputs, mode: str, degree: int, bucket_size_mb: float
                 if replicas.size > 1
                 else NO_TRANSFER,
                 gather=_transfer("all_gather", _nbytes(bucket), shard, cluster),
+                at_step=bucket.staged_grads,
             )
         )
     world = GroupPlacement.consecutive(cluster.world_size, cluster)

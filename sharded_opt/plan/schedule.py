@@ -5,7 +5,8 @@ The schedule is the one the library runs (docs/design.md, "One step, module by m
 - overlap: forward runs module by module in registration order (buckets in reverse), each module
   waiting for the all-gather of its bucket from the previous step; backward fills buckets in
   plan order, each bucket's reduce-scatter (then, with replicas, its all-reduce across them)
-  starts as its last grad lands; at the end of backward the presence flags go out on a group of
+  starts as its last grad lands (a bucket that stages its grads: by ``step()``, Note [Staged
+  grads] in ``fusion.layout``); at the end of backward the presence flags go out on a group of
   their own; ``step()`` steps each bucket's shard as its reduction lands, then starts every
   all-gather in forward order and returns;
 - sync: the same collectives, all started by ``step()`` after backward, which also waits for the
@@ -53,6 +54,9 @@ class BucketCosts:
     """The all-reduce of its shard across replicas (hybrid sharding), after ``reduce``."""
     gather: Transfer = NO_TRANSFER
     """The all-gather of its updated shard."""
+    at_step: bool = False
+    """Reduced by ``step()`` in both modes: its grads are staged (Note [Staged grads] in
+    ``fusion.layout``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,14 +124,16 @@ def _simulate_sharded(costs: StepCosts, steps: int, overlap: bool) -> Timeline:
     for _ in range(steps):
         for index in reversed(range(len(buckets))):  # forward: registration order
             now = max(now, gathered[index]) + costs.compute.forward_s * buckets[index].compute_share
-        reduced = []
+        during_backward: list[float | None] = []
         for bucket in buckets:
             now += costs.compute.backward_s * bucket.compute_share
-            if overlap:
-                reduced.append(_reduce(links, bucket, now))
+            launches = overlap and not bucket.at_step
+            during_backward.append(_reduce(links, bucket, now) if launches else None)
         flags_done = now + costs.flags_s
-        if not overlap:
-            reduced = [_reduce(links, bucket, now) for bucket in buckets]
+        reduced = [
+            _reduce(links, bucket, now) if landed is None else landed
+            for bucket, landed in zip(buckets, during_backward, strict=True)
+        ]
         now = flags_done
         for bucket, landed in zip(buckets, reduced, strict=True):  # Note [Step pipeline]
             now = max(now, landed) + costs.step_s * bucket.step_share

@@ -152,6 +152,29 @@ def test_sync_is_compute_then_every_collective() -> None:
     assert overlap.block_step_s() > overlap.steady_step_s()  # the last all-gathers are not hidden
 
 
+def test_buckets_that_stage_their_grads_are_reduced_by_step() -> None:
+    # Note [Staged grads]: in overlap mode too, such a bucket's reduce-scatter starts after
+    # backward, as in sync mode; the all-gathers still overlap the next forward.
+    def costs(at_step: bool) -> StepCosts:
+        buckets = tuple(
+            BucketCosts(
+                compute_share=0.5,
+                step_share=0.25,
+                reduce=Transfer("link", 0.05, 0.05),
+                gather=Transfer("link", 0.05, 0.05),
+                at_step=at_step and i == 0,
+            )
+            for i in range(2)
+        )
+        return StepCosts(buckets, COMPUTE, step_s=0.04)
+
+    overlap = simulate(costs(False), "overlap", steps=4).steady_step_s()
+    staged = simulate(costs(True), "overlap", steps=4).steady_step_s()
+    sync = simulate(costs(True), "sync", steps=4).steady_step_s()
+    assert overlap < staged < sync
+    assert simulate(costs(True), "sync", steps=4).steady_step_s() == sync
+
+
 def test_link_between_nodes_carries_hybrid_replicas_only() -> None:
     slow = LinkModel.stated(0.1, 20)
     cluster = Cluster(world_size=4, ranks_per_node=2, node_link=FAST_LINK, link=slow)
