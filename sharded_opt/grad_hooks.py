@@ -251,19 +251,26 @@ class GradReadyTracker:
             return
         params = self._buffers.params
         expected = [0] * len(self._buckets)
+        with_grads = {b for b, buffer in enumerate(self._buffers.grad_buffers) if buffer is not None}
+        for index in self._buffers.laid_out_indices:
+            bucket_index = self._bucket_of[index]
+            if params[index].requires_grad:
+                expected[bucket_index] += 1
+                with_grads.add(bucket_index)
         to_hook = []
         for index in self._buffers.laid_out_indices:
             param = params[index]
-            if not param.requires_grad:
-                continue
             bucket_index = self._bucket_of[index]
-            expected[bucket_index] += 1
             if self._staged[bucket_index]:
-                self._shards.materialize(bucket_index)  # no hook: grads are read at step()
-            elif not self._hooked[index]:
-                # Read before any hook is added: giving a bucket its grad buffer points every
-                # param of it at its view, so a grad that arrived before the hook would look like
-                # the view's own for the bucket's later params.
+                if expected[bucket_index]:
+                    self._shards.materialize(bucket_index)  # no hook: grads are read at step()
+            elif not self._hooked[index] and bucket_index in with_grads:
+                # Every param whose grad is (or is about to be) a buffer view gets its hook now,
+                # frozen ones too: unfrozen later, its grad may accumulate into its view before
+                # the first hook of that backward scans again, and would go unrecorded (a layer
+                # unfrozen while every later layer is frozen or staged). Read before any hook is
+                # added: giving a bucket its grad buffer points every param of it at its view,
+                # so a grad that arrived before the hook would look like the view's own.
                 arrived = param.grad is not None and param.grad is not self._buffers.grad_views[index]
                 to_hook.append((index, bucket_index, param, arrived))
         for index, bucket_index, param, arrived in to_hook:
@@ -284,7 +291,7 @@ class GradReadyTracker:
     def _hook(self, index: int, bucket_index: int, param: Tensor, arrived_before_hook: bool) -> None:
         self._shards.materialize(bucket_index)
         hook = _AccumulateGradHook(self, index, bucket_index)
-        self.handles.append(param.register_post_accumulate_grad_hook(hook))
+        self.handles.append(_register_accumulate_hook(param, hook))
         self._hooked[index] = 1
         if arrived_before_hook:
             # Not counted: the grad may be from this backward or older; if this backward still
@@ -460,6 +467,21 @@ class GradReadyTracker:
             else:
                 buffers.zero_grad_view(index)
         self._grad_versions[bucket_index] = buffers.grad_buffers[bucket_index]._version
+
+
+def _register_accumulate_hook(param: Tensor, hook: _AccumulateGradHook) -> RemovableHandle:
+    """``param``'s post-accumulate-grad hook, frozen params included (see :meth:`GradReadyTracker.scan`):
+    torch refuses to register one on a tensor that does not require grad, but keeps it on the
+    tensor, where the param's grad accumulator finds it once the param is unfrozen; so the flag
+    is set for the registration only (no torch function mode sees it)."""
+    if param.requires_grad:
+        return param.register_post_accumulate_grad_hook(hook)
+    with torch._C.DisableTorchFunction():
+        param.requires_grad_(True)
+        try:
+            return param.register_post_accumulate_grad_hook(hook)
+        finally:
+            param.requires_grad_(False)
 
 
 class _AccumulateGradHook(CopiesAsInert):

@@ -234,6 +234,27 @@ CASES: dict[str, Program] = {
         bf16_master=True,
         scaler=True,
     ),
+    # Found (seed 12071, ws 2, program 43): Adagrad gives every bucket its grad buffer at
+    # construction, frozen ones included; body, frozen at wrap, was unfrozen while expert and
+    # head were frozen and the scalars staged, so no hook ran before body's grads accumulated
+    # into their views, and the first hook's scan hooked body too late: body was not stepped
+    # (0.05 off), and the clip norm missed its grads. Frozen params of a bucket with a grad
+    # buffer are hooked at once now (GradReadyTracker.scan).
+    "unfrozen_before_any_hook_of_its_backward": Program(
+        optimizer="adagrad",
+        steps=(
+            StepSpec(frozen=("body", "head"), expert_ranks="none", clip=0.05),
+            StepSpec(frozen=("expert", "head"), expert_ranks="none", clip=0.05),
+        ),
+        frozen_at_wrap=("body",),
+        bucket_size_mb=0.001,
+        bf16_master=True,
+        extra_shapes=((),),
+        two_groups=True,
+        scaler=True,
+        layer_order=("expert", "embed", "head", "body"),
+        gates=96,
+    ),
     "staged_gates_whole_params": Program(
         optimizer="adafactor",
         steps=(StepSpec(expert_ranks="some"), StepSpec(zero_grad="model", step_twice=True), StepSpec()),
