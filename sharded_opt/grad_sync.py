@@ -16,11 +16,10 @@ Note [Collectives from agreed state]
       backward (overlap) or all at ``step()`` (sync). Buckets whose params are all frozen now:
       after the others, where the agreed presence flags show a grad on some rank
       (``GradSync._start_frozen_grad_sync``, Note [Frozen after backward] in ``grad_hooks``).
-      Buckets that stage their grads (a fact of the layout, Note [Staged grads] in
+      This was a rank's own fact before ("this rank holds a grad in a frozen param") and hung
+      2-4 ranks. Buckets that stage their grads (a fact of the layout, Note [Staged grads] in
       ``fusion.layout``) are reduced by ``step()`` in both modes, in bucket order after the ones
       backward launched; overlap mode then shares the last presence flags there too.
-      This was a rank's own fact before ("this rank holds a grad in a frozen param") and hung
-      2-4 ranks.
     - Presence flags (``GradSync._share_presence``): every bucket's, once per iteration: per
       bucket right before the reductions above where they share the group, the rest in one
       all-reduce after the last launch (Note [Presence per bucket] in ``grad_presence``). Their values
