@@ -21,7 +21,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.models import build_model, hidden_matrix_names
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy, compile_backend
 
 MODES = ("ddp", "zero", "sync", "overlap", "hybrid")
 """Measured modes, in the interleaving order A B C D E. ``hybrid`` (ShardingStage1 overlap with
@@ -222,10 +222,15 @@ def build_runner(name: str, spec: ModeSpec) -> Runner:
 
 def _compiled(runner: Runner, spec: ModeSpec) -> Runner:
     """``runner`` with its forward (the model, or DDP around it) compiled, as a user who compiles
-    writes it: DDP is compiled whole (Dynamo splits its graph at DDP's buckets), the sharded
-    modes compile the attached model (see Note [torch.compile] in ``sharded_opt/compiled_waits.py``)."""
-    if spec.compile_backend is not None:
-        runner.forward = torch.compile(runner.forward, backend=spec.compile_backend)
+    writes it: DDP is compiled whole (Dynamo cuts its graph at DDP's buckets), the sharded
+    modes compile the attached model with the backend cut at the wrappers' buckets
+    (:func:`sharded_opt.compile_backend`, Note [Graph cuts at buckets])."""
+    if spec.compile_backend is None:
+        return runner
+    backend: object = spec.compile_backend
+    if runner.wrappers:
+        backend = compile_backend(*runner.wrappers, backend=spec.compile_backend)
+    runner.forward = torch.compile(runner.forward, backend=backend)
     return runner
 
 

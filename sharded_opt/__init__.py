@@ -2,6 +2,7 @@
 those that need whole params (Muon, Adafactor)."""
 
 from sharded_opt.checkpoint import load_checkpoint, save_checkpoint
+from sharded_opt.compiled_cuts import compile_backend
 from sharded_opt.grad_scaler import ShardedGradScaler
 from sharded_opt.launcher import init_parallel_env, spawn
 from sharded_opt.optimizer import ShardingStage1
@@ -15,6 +16,7 @@ __all__ = [
     "ShardingConfig",
     "ShardingStage1",
     "Strategy",
+    "compile_backend",
     "init_parallel_env",
     "load_checkpoint",
     "save_checkpoint",
