@@ -24,9 +24,11 @@ and the rest per rank (``benchmarks/step_split.py``), with the optimizer state p
 class (benchmarks/results/2026-12-04-muon.md).
 
 ``--compile`` runs every mode's forward under ``torch.compile`` (inductor unless a backend is
-named): DDP compiled whole, the sharded modes with the model attached, whose graph waits for each
-param's all-gather before its first read (Note [torch.compile] in ``sharded_opt/compiled_waits.py``);
-compare its ratios with an eager run of the same command (benchmarks/results/).
+named): DDP compiled whole (Dynamo cuts it at DDP's buckets), the sharded modes with the model
+attached and ``sharded_opt.compile_backend`` around the named backend, which cuts the graph at the
+wrappers' buckets (Note [Graph cuts at buckets]); their graph waits for each param's all-gather
+before its first read (Note [torch.compile] in ``sharded_opt/compiled_waits.py``). Compare its
+ratios with an eager run of the same command (benchmarks/results/).
 """
 
 from __future__ import annotations

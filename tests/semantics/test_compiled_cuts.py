@@ -15,14 +15,16 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch import fx
+from torch import fx, nn
+from torch.utils.checkpoint import checkpoint
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives, compile_backend
 from sharded_opt.compiled_cuts import piece_of_nodes
 from sharded_opt.compiled_waits import TRACED_WAITS
 from tests.dist_helper import run_ranks
-from tests.semantics.test_compiled_waits import VOCAB, TiedLM, _tokens
+from tests.semantics.test_compiled_waits import VOCAB, WIDTH, TiedLM, _tokens
 from tests.user_loops import _late_all_gather
 
 pytestmark = pytest.mark.skipif(not TRACED_WAITS, reason="traced waits and cuts need torch >= 2.13")
@@ -81,17 +83,65 @@ def _train(overlap: bool, cut: bool) -> dict[str, object]:
     }
 
 
-def _job() -> dict[str, dict[str, object]]:
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class CheckpointedNet(nn.Module):
+    """Every other block under ``torch.utils.checkpoint``: a higher-order op in the graph, its
+    body a subgraph that reads the block's params (cuts fall around it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+        self.head = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, block in enumerate(self.blocks):
+            x = checkpoint(block, x, use_reentrant=False) if index % 2 else block(x)
+        return self.head(x)
+
+
+def _train_checkpointed(overlap: bool, cut: bool) -> list[torch.Tensor]:
+    torch._dynamo.reset()
+    model = CheckpointedNet()
+    opt = ShardingStage1(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        model=model,
+        strategy=Strategy(sharding=ShardingConfig(bucket_size_mb=0.002, enable_overlap=overlap)),
+    )
+    forward = torch.compile(model, backend=compile_backend(opt) if cut else "inductor")
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(STEPS):
+        opt.zero_grad()
+        inputs, targets = torch.randn(8, WIDTH, generator=generator), torch.randn(8, 4, generator=generator)
+        F.mse_loss(forward(inputs), targets).backward()
+        opt.step()
+    opt.sync_params()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _job() -> dict[str, object]:
     with mock.patch.object(collectives, "all_gather", _late_all_gather):
-        return {
+        runs: dict[str, object] = {
             f"{mode}{'_cut' if cut else ''}": _train(overlap=mode == "overlap", cut=cut)
             for mode in ("sync", "overlap")
             for cut in (False, True)
         }
+        runs["checkpointed_sync"] = _train_checkpointed(overlap=False, cut=False)
+        runs["checkpointed_overlap_cut"] = _train_checkpointed(overlap=True, cut=True)
+        return runs
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[str, dict[str, object]]]:
+def runs() -> list[dict[str, object]]:
     return run_ranks(_job, 2, timeout_s=300.0)
 
 
@@ -100,6 +150,12 @@ def test_cut_forwards_end_bitwise_equal_to_the_whole_compiled_sync(runs) -> None
         for name in ("overlap", "sync_cut", "overlap_cut"):
             for reference, got in zip(rank["sync"]["params"], rank[name]["params"], strict=True):
                 torch.testing.assert_close(got, reference, rtol=0, atol=0, msg=name)
+
+
+def test_cut_forwards_with_checkpointed_blocks_end_bitwise_equal(runs) -> None:
+    for rank in runs:
+        for reference, got in zip(rank["checkpointed_sync"], rank["checkpointed_overlap_cut"], strict=True):
+            torch.testing.assert_close(got, reference, rtol=0, atol=0)
 
 
 def test_cut_backward_starts_reduce_scatters_before_its_last_piece(runs) -> None:
