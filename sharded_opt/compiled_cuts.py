@@ -70,7 +70,9 @@ def compile_backend(*optimizers: Any, backend: str | CompilerFn = "inductor") ->
         optimizers: the :class:`~sharded_opt.ShardingStage1` wrappers whose params the model
             reads (two with Muon and AdamW side by side).
         backend: the backend that compiles each piece, a name (``"inductor"``, ``"aot_eager"``)
-            or a callable, as ``torch.compile`` takes it.
+            or a callable, as ``torch.compile`` takes it. ``torch.compile``'s own ``mode`` and
+            ``options`` reach it (``torch.compile(model, backend=compile_backend(opt),
+            mode="max-autotune")``).
 
     Returns:
         A backend to pass as ``torch.compile(model, backend=...)``.
@@ -90,29 +92,41 @@ def compile_backend(*optimizers: Any, backend: str | CompilerFn = "inductor") ->
         raise TypeError(
             f"compile_backend expects the ShardingStage1 wrappers whose params the model reads, but got {got}"
         )
-    inner = torch._dynamo.backends.registry.lookup_backend(backend) if isinstance(backend, str) else backend
     key_of_param = {
         id(opt.shards.buffers.params[slot.param_index]): (index, slot.bucket_index)
         for index, opt in enumerate(optimizers)
         for bucket in opt.plan.buckets
         for slot in bucket.slots
     }
-    return _BucketCuts(inner, key_of_param)
+    return _BucketCuts(backend, key_of_param)
 
 
 class _BucketCuts:
     """The backend :func:`compile_backend` returns; holds ids and the inner backend only, so a
     compiled model does not keep a wrapper alive."""
 
-    def __init__(self, inner: CompilerFn, key_of_param: dict[int, BucketKey]) -> None:
-        self._inner = inner
+    def __init__(self, backend: str | CompilerFn, key_of_param: dict[int, BucketKey]) -> None:
+        self._backend = backend
         self._key_of_param = key_of_param
 
     def __call__(self, graph_module: fx.GraphModule, example_inputs: Sequence[Any], **configs: Any) -> Any:
+        inner, configs = self._inner(configs)
         pieces = piece_of_nodes(graph_module, self._buckets_read_by(graph_module, example_inputs))
         if not TRACED_WAITS or max(pieces.values(), default=0) == 0:
-            return self._inner(graph_module, example_inputs, **configs)
-        return _compile_pieces(graph_module, example_inputs, pieces, self._inner, configs)
+            return inner(graph_module, example_inputs, **configs)
+        return _compile_pieces(graph_module, example_inputs, pieces, inner, configs)
+
+    def _inner(self, configs: dict[str, Any]) -> tuple[CompilerFn, dict[str, Any]]:
+        """The backend for the pieces, and what is left of ``configs`` for it: ``torch.compile``
+        hands its ``mode`` and ``options`` to a backend given as a callable (this one); for
+        inductor they configure inductor as ``torch.compile(backend="inductor", mode=...)``
+        would, through torch's own wrapper for that."""
+        if self._backend == "inductor" and configs:
+            mode, options = configs.pop("mode", None), configs.pop("options", None)
+            return torch._TorchCompileInductorWrapper(mode, options, dynamic=None), configs
+        if isinstance(self._backend, str):
+            return torch._dynamo.backends.registry.lookup_backend(self._backend), configs
+        return self._backend, configs
 
     def _buckets_read_by(
         self, graph_module: fx.GraphModule, example_inputs: Sequence[Any]

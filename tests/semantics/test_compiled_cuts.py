@@ -46,7 +46,7 @@ def _backward_pieces(loss: torch.Tensor) -> list[torch.autograd.graph.Node]:
     return found
 
 
-def _train(overlap: bool, cut: bool) -> dict[str, object]:
+def _train(overlap: bool, cut: bool, **compile_kwargs: object) -> dict[str, object]:
     torch._dynamo.reset()
     model = TiedLM()
     opt = ShardingStage1(
@@ -54,7 +54,8 @@ def _train(overlap: bool, cut: bool) -> dict[str, object]:
         model=model,
         strategy=Strategy(sharding=ShardingConfig(bucket_size_mb=0.001, enable_overlap=overlap)),
     )
-    forward = torch.compile(model, fullgraph=True, backend=compile_backend(opt) if cut else "inductor")
+    backend = compile_backend(opt) if cut else "inductor"
+    forward = torch.compile(model, fullgraph=True, backend=backend, **compile_kwargs)
     issued: list[int] = []
     reduce_scatter = collectives.reduce_scatter_avg
 
@@ -135,6 +136,13 @@ def _job() -> dict[str, object]:
             for mode in ("sync", "overlap")
             for cut in (False, True)
         }
+        # torch.compile's options reach inductor through the cut backend: with no fusion at
+        # all the kernels differ, so the params may too, within float tolerance.
+        runs["overlap_cut_unfused"] = _train(overlap=True, cut=True, options={"max_fusion_size": 1})
+        try:
+            _train(overlap=True, cut=True, options={"no_such_inductor_option": 1})
+        except Exception as error:  # Dynamo wraps the backend's error
+            runs["unknown_option_error"] = str(error)
         runs["checkpointed_sync"] = _train_checkpointed(overlap=False, cut=False)
         runs["checkpointed_overlap_cut"] = _train_checkpointed(overlap=True, cut=True)
         return runs
@@ -150,6 +158,13 @@ def test_cut_forwards_end_bitwise_equal_to_the_whole_compiled_sync(runs) -> None
         for name in ("overlap", "sync_cut", "overlap_cut"):
             for reference, got in zip(rank["sync"]["params"], rank[name]["params"], strict=True):
                 torch.testing.assert_close(got, reference, rtol=0, atol=0, msg=name)
+
+
+def test_torch_compiles_mode_and_options_reach_inductor_through_the_cuts(runs) -> None:
+    for rank in runs:
+        for reference, got in zip(rank["sync"]["params"], rank["overlap_cut_unfused"]["params"], strict=True):
+            torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
+        assert "no_such_inductor_option" in rank["unknown_option_error"]
 
 
 def test_cut_forwards_with_checkpointed_blocks_end_bitwise_equal(runs) -> None:
