@@ -9,8 +9,8 @@ Note [Graph cuts at buckets]
     all-gathers behind compute. Dynamo cuts the graph of a module wrapped in DDP at DDP's
     buckets for the same reason (``DDPOptimizer``); nothing cuts ours. :func:`compile_backend`
     does: it walks the graph Dynamo traced in order and starts a new piece right before the
-    first node that reads a param of a bucket no earlier node read, once the current piece has
-    computed anything. Each piece is compiled on its own by the given backend (AOTAutograd
+    first node that reads a param of a bucket no earlier node read, once the current piece read a
+    bucket. Each piece is compiled on its own by the given backend (AOTAutograd
     makes each its own autograd node), so in backward a bucket's grads are all accumulated once
     the piece holding its first reads is done, and its hooks start the bucket's reduce-scatter
     while earlier pieces still run.
@@ -152,10 +152,10 @@ def piece_of_nodes(
     graph_module: fx.GraphModule, buckets_read_by: Callable[[fx.Node], Iterable[BucketKey]]
 ) -> dict[fx.Node, int]:
     """Each node's piece: a new piece starts before the first node that reads a bucket no earlier
-    node read, moved back over the prelude nodes right before it, once the current piece holds
-    a node that computes (Note [Graph cuts at buckets])."""
+    node read, moved back over the prelude nodes right before it, once the current piece read a
+    bucket (a piece that reads none would only add a graph), see Note [Graph cuts at buckets]."""
     piece_of: dict[fx.Node, int] = {}
-    piece, computed, seen = 0, False, set()
+    piece, piece_read, seen = 0, False, set()
     prelude: list[fx.Node] = []
     for node in graph_module.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -164,14 +164,14 @@ def piece_of_nodes(
             prelude.append(node)
             continue
         new = set(buckets_read_by(node)) - seen
-        if new and computed:
+        if new and piece_read:
             piece += 1
         seen |= new
         for waiting in prelude:
             piece_of[waiting] = piece
         prelude.clear()
         piece_of[node] = piece
-        computed = True
+        piece_read = piece_read or bool(new)
     for waiting in prelude:
         piece_of[waiting] = piece
     return piece_of

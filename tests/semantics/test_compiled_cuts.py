@@ -230,6 +230,8 @@ def test_a_piece_starts_at_the_waits_before_a_new_buckets_first_read() -> None:
     # A module's waits run together before its first read; a read of another bucket inside the
     # module still starts a piece (that bucket's grads are complete earlier in backward).
     assert _pieces(["wait:c", "wait:a", "c", "a", "b"]) == [0, 0, 0, 1, 1]
+    # Nodes before the first read (a position table's arange) make no piece of their own.
+    assert _pieces(["", "a", "", "c"]) == [0, 0, 0, 1]
     # Sync mode (no waits): the same compute nodes in the same pieces.
     assert _pieces(["a", "", "b", "", "c", "a"]) == [0, 0, 0, 0, 1, 1]
 
