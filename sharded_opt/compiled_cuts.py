@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, fx
 
 from sharded_opt.compiled_waits import TRACED_WAITS, WAIT_OP
+from sharded_opt.optimizer import ShardingStage1
 
 CompilerFn = Callable[..., Callable[..., Any]]
 """A ``torch.compile`` backend: ``(graph_module, example_inputs, **configs) -> callable``."""
@@ -57,7 +58,7 @@ _PRELUDE_TARGETS = (
 Dynamo records around them, and attribute reads (``tensor.is_leaf``)."""
 
 
-def compile_backend(*optimizers: Any, backend: str | CompilerFn = "inductor") -> CompilerFn:
+def compile_backend(*optimizers: ShardingStage1, backend: str | CompilerFn = "inductor") -> CompilerFn:
     """A ``torch.compile`` backend that compiles a forward in pieces cut at the buckets of
     ``optimizers``, so that in backward each bucket's reduce-scatter starts while the rest of
     the backward runs (Note [Graph cuts at buckets]).
@@ -85,8 +86,6 @@ def compile_backend(*optimizers: Any, backend: str | CompilerFn = "inductor") ->
         opt = ShardingStage1(torch.optim.AdamW(model.parameters()), model=model, overlap=True)
         forward = torch.compile(model, backend=compile_backend(opt))
     """
-    from sharded_opt.optimizer import ShardingStage1  # the wrapper imports this module's caller
-
     if not optimizers or not all(isinstance(o, ShardingStage1) for o in optimizers):
         got = ", ".join(type(o).__name__ for o in optimizers) or "nothing"
         raise TypeError(
