@@ -95,8 +95,10 @@ class _Block(nn.Module):
 
 
 class CheckpointedNet(nn.Module):
-    """Every other block under ``torch.utils.checkpoint``: a higher-order op in the graph, its
-    body a subgraph that reads the block's params (cuts fall around it)."""
+    """Every other block under ``torch.utils.checkpoint`` (a higher-order op in the graph, its
+    body a subgraph that reads the block's params: cuts fall around it), a graph break after
+    the second block (two graphs, each cut on its own) and the head under CPU autocast (an
+    autocast region that a cut may split)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -107,10 +109,13 @@ class CheckpointedNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for index, block in enumerate(self.blocks):
             x = checkpoint(block, x, use_reentrant=False) if index % 2 else block(x)
-        return self.head(x)
+            if index == 1:
+                torch._dynamo.graph_break()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.head(x).float()
 
 
-def _train_checkpointed(overlap: bool, cut: bool) -> list[torch.Tensor]:
+def _train_checkpointed(overlap: bool, cut: bool) -> dict[str, object]:
     torch._dynamo.reset()
     model = CheckpointedNet()
     opt = ShardingStage1(
@@ -123,10 +128,12 @@ def _train_checkpointed(overlap: bool, cut: bool) -> list[torch.Tensor]:
     for _ in range(STEPS):
         opt.zero_grad()
         inputs, targets = torch.randn(8, WIDTH, generator=generator), torch.randn(8, 4, generator=generator)
-        F.mse_loss(forward(inputs), targets).backward()
+        loss = F.mse_loss(forward(inputs), targets)
+        pieces = len(_backward_pieces(loss))
+        loss.backward()
         opt.step()
     opt.sync_params()
-    return [p.detach().clone() for p in model.parameters()]
+    return {"params": [p.detach().clone() for p in model.parameters()], "pieces": pieces}
 
 
 def _job() -> dict[str, object]:
@@ -167,10 +174,13 @@ def test_torch_compiles_mode_and_options_reach_inductor_through_the_cuts(runs) -
         assert "no_such_inductor_option" in rank["unknown_option_error"]
 
 
-def test_cut_forwards_with_checkpointed_blocks_end_bitwise_equal(runs) -> None:
+def test_cut_forwards_with_checkpoints_graph_breaks_and_autocast_end_bitwise_equal(runs) -> None:
     for rank in runs:
-        for reference, got in zip(rank["checkpointed_sync"], rank["checkpointed_overlap_cut"], strict=True):
+        sync, overlap = rank["checkpointed_sync"], rank["checkpointed_overlap_cut"]
+        for reference, got in zip(sync["params"], overlap["params"], strict=True):
             torch.testing.assert_close(got, reference, rtol=0, atol=0)
+        # Two graphs (the break), each one node whole; cut, more.
+        assert sync["pieces"] == 2 < overlap["pieces"]
 
 
 def test_cut_backward_starts_reduce_scatters_before_its_last_piece(runs) -> None:
