@@ -114,20 +114,19 @@ class FlatBuffers:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every grad buffer in place (one kernel per bucket) and keep grads attached; the
-        grads of a bucket that stages them are set to None, or zeroed in place, as torch's
+        grads that are the params' own (a bucket that stages them, or one without a grad buffer
+        whose params got a grad all the same) are set to None, or zeroed in place, as torch's
         ``zero_grad(set_to_none)`` does."""
         for bucket_index, grad_buffer in enumerate(self.grad_buffers):
-            if grad_buffer is None:
-                continue
-            if self.plan.buckets[bucket_index].staged_grads:
-                self._zero_staged_grads(bucket_index, set_to_none)
+            if grad_buffer is None or self.plan.buckets[bucket_index].staged_grads:
+                self._zero_own_grads(bucket_index, set_to_none)
                 continue
             for slot in self.plan.buckets[bucket_index].slots:
                 self._reattach_grad_view(slot.param_index, keep_values=False)  # zeroed next
                 self.params[slot.param_index].grad = self.grad_views[slot.param_index]
             grad_buffer.zero_()
 
-    def _zero_staged_grads(self, bucket_index: int, set_to_none: bool) -> None:
+    def _zero_own_grads(self, bucket_index: int, set_to_none: bool) -> None:
         params = [self.params[slot.param_index] for slot in self.plan.buckets[bucket_index].slots]
         if set_to_none:
             for param in params:

@@ -4,6 +4,7 @@ the shards each rank holds (``ShardingStage1.clip_grad_norm_``, ``grad_norm`` an
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -55,12 +56,13 @@ class GradClipping:
         self._param_guard.take_back_replaced()
         self._grad_sync.reduce_grads()
         grads = self._comm.local_grads()
+        dtype = _norm_dtype(grads)
         if norm_type == math.inf:
-            local = torch.stack([g.abs().max().float() for g in grads]).max()
+            local = torch.stack([g.abs().max().to(dtype) for g in grads]).max()
             op = dist.ReduceOp.MAX
         else:
             local = torch.stack(
-                [torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads]
+                [torch.linalg.vector_norm(g, norm_type).to(dtype) ** norm_type for g in grads]
             ).sum()
             op = dist.ReduceOp.SUM
         if self._comm.sharded:
@@ -76,6 +78,14 @@ class GradClipping:
         for grad in self._comm.local_grads():
             grad.clamp_(-clip_value, clip_value)
         self._grad_sync.tracker.accept_grad_writes()
+
+
+def _norm_dtype(grads: list[torch.Tensor]) -> torch.dtype:
+    """The dtype the norm is summed and returned in: the widest of the grads' and fp32, as
+    torch's ``get_total_norm`` stacks the per-param norms in their promoted dtype (fp64 for fp64
+    params; fp32 for 16-bit grads, which are reduced in fp32 here); real for complex grads,
+    whose norms are real."""
+    return functools.reduce(torch.promote_types, (g.dtype.to_real() for g in grads), torch.float32)
 
 
 def _check_norm_type(api: str, norm_type: float) -> float:

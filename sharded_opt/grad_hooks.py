@@ -13,11 +13,15 @@ Note [Which params got a grad]
     [Staged grads] in ``fusion.layout``).
 
     ``requires_grad`` can change after wrapping (freezing, gradual unfreezing). It is read again
-    at the first hook of every backward and before every reduction (:meth:`GradReadyTracker.scan`):
-    a newly unfrozen param gets its hook then (and, if its bucket was all frozen so far, the
-    bucket gets its grad buffer and local shard); a grad it accumulated before its hook existed is
-    adopted (its bucket then waits for the end of backward). A frozen param is simply no longer
-    expected.
+    at the first hook of every backward (not only of every iteration: a layer unfrozen between
+    two micro-batches' backwards was missed in overlap mode and not stepped) and before every
+    reduction (:meth:`GradReadyTracker.scan`): a newly unfrozen param gets its hook then (and, if
+    its bucket was all frozen so far, the bucket gets its grad buffer and local shard); a grad it
+    accumulated before its hook existed is adopted (its bucket then waits for the end of
+    backward). A frozen param is simply no longer expected. A backward may also run no hook at
+    all (every other bucket stages its grads or is frozen): a grad it left on a param whose
+    bucket has no grad buffer is seen when the presence flags are shared (Note [Frozen after
+    backward]).
 
 Note [Frozen after backward]
     torch steps every param whose ``.grad`` is not None, whatever its ``requires_grad``: a layer
@@ -34,6 +38,15 @@ Note [Frozen after backward]
     keeps a grad the param received and still holds, and is zeroed otherwise (it may hold a
     grad that ``model.zero_grad()`` set to None since; averaged with another rank's present
     grad, it put 13 % errors into the step).
+
+    A bucket frozen when wrapped has no grad buffer, so no hook sees a grad its params get: a
+    layer unfrozen for a backward that ran no hook of the wrapper (every other bucket staged
+    its grads) and frozen again before ``step()`` holds its grad in autograd's own tensor
+    (fuzz seed 60493: not stepped). When the flags are shared, such a held grad counts as
+    received (:meth:`GradReadyTracker.note_unseen_grad`); where the agreed flags show one on
+    some rank, every rank gives the bucket its grad buffer and shard, copying the held grads
+    in, before reducing it (:meth:`GradReadyTracker.take_frozen`). ``zero_grad()`` sets such
+    grads to None as torch does, so a discarded one is not stepped later.
 
 Note [Grads written after backward]
     ``param.grad`` holds this rank's local grad, and in overlap mode a bucket's reduction reads
@@ -306,11 +319,21 @@ class GradReadyTracker:
         return self._expected[bucket_index] > 0
 
     def frozen_buckets(self) -> list[int]:
-        """Buckets with a grad buffer whose params are all frozen now (as of the last scan): they
-        take part only where some rank holds a grad in them, decided from the agreed presence
-        flags; see Note [Frozen after backward]."""
-        buffers = self._buffers.grad_buffers
-        return [b for b, expected in enumerate(self._expected) if expected == 0 and buffers[b] is not None]
+        """Buckets whose params are all frozen now (as of the last scan), with a grad buffer or
+        not: they take part only where some rank holds a grad in them, decided from the agreed
+        presence flags; see Note [Frozen after backward]."""
+        return [b for b, expected in enumerate(self._expected) if expected == 0]
+
+    def note_unseen_grad(self, bucket_index: int, param_index: int) -> bool:
+        """Record as received, and return whether, the param holds a grad no hook could see:
+        its bucket has no grad buffer (every param frozen when wrapped and at every scan since),
+        yet a backward that ran no hook of this wrapper, or an assignment, gave it one. torch
+        steps it. See Note [Frozen after backward]."""
+        buffers = self._buffers
+        if buffers.grad_buffers[bucket_index] is not None or buffers.params[param_index].grad is None:
+            return False
+        self.received[param_index] = 1
+        return True
 
     def remove_hooks(self) -> None:
         remove_handles(self.handles)
@@ -318,7 +341,9 @@ class GradReadyTracker:
         self._requires_grad_at_scan = None
 
     def _begin_backward(self) -> None:
-        """The first hook of a backward: queue the work of its end."""
+        """The first hook of a backward: read ``requires_grad`` again (Note [Which params got a
+        grad]) and queue the work of its end."""
+        self.scan()
         self._in_backward = True
         self._backward_end.queue()
 
@@ -361,7 +386,7 @@ class GradReadyTracker:
         """A second backward before ``step()``, see Note [A second backward]."""
         self._launcher.restart_grad_sync()
         self.reset()
-        self._scanned = True  # this hook already scanned requires_grad
+        self._scanned = True  # this backward's first hook already scanned requires_grad
         self._in_backward = True  # and this backward's end is queued
 
     def _launch_ready(self) -> None:
@@ -452,6 +477,20 @@ class GradReadyTracker:
                 self.received[index] = had_grad
                 self._grad_versions[bucket_index] = buffers.grad_buffers[bucket_index]._version
 
+    def take_frozen(self, bucket_index: int) -> None:
+        """Before the reduction of a bucket whose params are all frozen, which the agreed flags
+        say some rank holds a grad in: give it its grad buffer and shard if it has none (on
+        every rank alike, the flags are agreed), its hooks and its grads, then settle it."""
+        if self._buffers.grad_buffers[bucket_index] is None:
+            self._shards.materialize(bucket_index)  # copies in the grads params hold
+            self._requires_grad_at_scan = None  # hook its params, list them as frozen
+            self.scan()
+            if self._staged[bucket_index]:
+                present = self._buffers.stage_grads(bucket_index)
+                for slot, has_grad in zip(self._buckets[bucket_index].slots, present, strict=True):
+                    self.received[slot.param_index] = has_grad
+        self.settle_frozen(bucket_index)
+
     def settle_frozen(self, bucket_index: int) -> None:
         """Before the bucket's reduction: a frozen param keeps a grad it received and still holds
         (Note [Frozen after backward]); any other frozen param's slot is zeroed, its ``.grad``
@@ -517,8 +556,6 @@ class _AccumulateGradHook(CopiesAsInert):
         tracker._grad_versions[bucket_index] = self._grad_view._version
         if tracker._grad_streams is not None:
             tracker._grad_streams.note_grad_stream(bucket_index)
-        if not tracker._scanned:
-            tracker.scan()
         if not tracker._in_backward:
             tracker._begin_backward()
         if tracker._launcher is not None and not tracker.accumulate_only:

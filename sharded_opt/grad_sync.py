@@ -255,7 +255,7 @@ class GradSync:
         see Note [Frozen after backward] in ``grad_hooks``."""
         for bucket_index in self.tracker.frozen_buckets():
             if any(self.presence.agreed(bucket_index)):
-                self.tracker.settle_frozen(bucket_index)
+                self.tracker.take_frozen(bucket_index)
                 self._comm.start_grad_sync(bucket_index)
 
     def _share_presence(self, bucket_indices: list[int]) -> None:
@@ -263,10 +263,13 @@ class GradSync:
         params = self._buffers.params
         local = self._local_presence
         flags = []
+        note_unseen_grad = self.tracker.note_unseen_grad
         for bucket_index in bucket_indices:
             for slot in self._buckets[bucket_index].slots:
                 index = slot.param_index
-                local[index] = received[index] and params[index].grad is not None
+                local[index] = (received[index] or note_unseen_grad(bucket_index, index)) and (
+                    params[index].grad is not None
+                )
                 flags.append(local[index])
         self.presence.start(bucket_indices, flags)
 

@@ -365,3 +365,34 @@ def test_scaler_on_ranks_that_hold_no_param_elements() -> None:
     for params in results[1:]:
         for a, b in zip(params, results[0], strict=True):
             assert torch.equal(a, b)
+
+
+def _fp64_norms() -> list[tuple[str, float, float]]:
+    """Per norm type: the norm's dtype, and the wrapper's and torch's norm of the averaged
+    fp64 grads."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    results = []
+    for norm_type in (2.0, 1.0, math.inf):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+        reference = [torch.zeros_like(p) for p in model.parameters()]
+        batch = torch.randn(12, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        for slice_rank in range(world_size):
+            model.zero_grad()
+            model(batch[slice_rank::world_size]).square().mean().backward()
+            reference = [total + p.grad for total, p in zip(reference, model.parameters(), strict=True)]
+        expected = torch.nn.utils.get_total_norm([total / world_size for total in reference], norm_type)
+        opt = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1))
+        opt.zero_grad()
+        model(batch[rank::world_size]).square().mean().backward()
+        norm = opt.clip_grad_norm_(1e-3, norm_type)
+        results.append((str(norm.dtype), norm.item(), expected.item()))
+        opt.close()
+    return results
+
+
+def test_clip_grad_norm_of_fp64_params_is_computed_in_fp64() -> None:
+    for rank_results in run_ranks(_fp64_norms, 2):
+        for dtype, norm, expected in rank_results:
+            assert dtype == "torch.float64"
+            assert norm == pytest.approx(expected, rel=1e-13), (norm, expected)
