@@ -92,35 +92,87 @@ def _first_inner_param(shards: OptimizerShards, index: int) -> Tensor:
     return shard.inner_params[shard.inner_owners.index(index)]
 
 
+GATHER_BATCH_BYTES = 16 * 2**20
+"""The most bytes of full state tensors one collective of :func:`gather_state_dict` assembles:
+a model's element-wise state travels in a few large collectives instead of one per param and
+key (each a round trip), while the transient memory beyond the local shards stays bounded."""
+
+
 def gather_state_dict(shards: OptimizerShards, to_rank: int | None) -> dict[str, Any] | None:
     """The standard state dict (collective). See Note [Element-wise and scalar state].
 
     With ``to_rank``, full tensors are reduced to that rank only and the others return None.
-    At most one param's full state tensor exists at a time beyond the local shards.
+    Full state tensors are assembled ``GATHER_BATCH_BYTES`` at a time beyond the local shards.
     """
     local = param_states(shards.inner, shards.comm.live_shards())
     descriptions = describe_param_states(shards, local)
-    pieces = local_pieces(shards)
-    params = shards.buffers.params
     state: dict[int, dict[str, Any]] = {}
+    elementwise: list[tuple[int, str, torch.dtype]] = []
     for index, description in descriptions.items():
-        slot = shards.plan.slot(index)
         entry: dict[str, Any] = {}
         for key, (kind, value) in description.items():
             if kind == "scalar":
                 entry[key] = value.clone() if isinstance(value, Tensor) else value
-                continue
-            full = torch.zeros(params[index].numel(), dtype=value, device=params[index].device)
-            if index in local and _contributes(shards):
-                piece = pieces[index]
-                full[piece.param_start : piece.param_start + piece.numel] = local[index][key]
-            if shards.comm.sharded:
-                _sum_over_group(full, shards, to_rank)
-            entry[key] = view_slot(full, slot)
+            else:
+                entry[key] = None  # assembled below, in this key order
+                elementwise.append((index, key, value))
         state[index] = entry
+    pieces = local_pieces(shards)
+    for batch in _gather_batches(shards, elementwise):
+        for index, key, full in _assemble(shards, batch, local, pieces, to_rank):
+            state[index][key] = view_slot(full, shards.plan.slot(index))
     if to_rank is not None and shards.rank != to_rank:
         return None
     return {"state": state, "param_groups": indexed_groups(shards.param_groups)}
+
+
+def _gather_batches(
+    shards: OptimizerShards, elementwise: list[tuple[int, str, torch.dtype]]
+) -> list[list[tuple[int, str, torch.dtype]]]:
+    """``elementwise`` in order, cut into runs of one dtype and device of at most
+    ``GATHER_BATCH_BYTES`` (a larger tensor alone)."""
+    params = shards.buffers.params
+    batches: list[list[tuple[int, str, torch.dtype]]] = []
+    batch_bytes = 0
+    for entry in elementwise:
+        index, _, dtype = entry
+        nbytes = params[index].numel() * dtype.itemsize
+        last = batches[-1][-1] if batches else None
+        alike = last is not None and (last[2], params[last[0]].device) == (dtype, params[index].device)
+        if not alike or batch_bytes + nbytes > GATHER_BATCH_BYTES:
+            batches.append([])
+            batch_bytes = 0
+        batches[-1].append(entry)
+        batch_bytes += nbytes
+    return batches
+
+
+def _assemble(
+    shards: OptimizerShards,
+    batch: list[tuple[int, str, torch.dtype]],
+    local: dict[int, ParamState],
+    pieces: dict[int, ShardPiece],
+    to_rank: int | None,
+) -> list[tuple[int, str, Tensor]]:
+    """The full flat tensors of one batch, each param's own: this rank's pieces written into a
+    zeroed flat buffer, summed over the group in one collective, then cut apart."""
+    params = shards.buffers.params
+    first = params[batch[0][0]]
+    flat = torch.zeros(sum(params[i].numel() for i, _, _ in batch), dtype=batch[0][2], device=first.device)
+    spans = []
+    offset = 0
+    for index, key, _ in batch:
+        full = flat[offset : offset + params[index].numel()]
+        if index in local and _contributes(shards):
+            piece = pieces[index]
+            full[piece.param_start : piece.param_start + piece.numel] = local[index][key]
+        spans.append((index, key, offset))
+        offset += full.numel()
+    if shards.comm.sharded:
+        _sum_over_group(flat, shards, to_rank)
+    if to_rank is not None and shards.rank != to_rank:
+        return []  # the sum went to another rank
+    return [(index, key, flat[start : start + params[index].numel()].clone()) for index, key, start in spans]
 
 
 def _contributes(shards: OptimizerShards) -> bool:
