@@ -8,9 +8,11 @@ Note [Reusing a dropped wrapper's groups]
     would pile up groups without end (measured before this pool: 100 wrappers dropped in a loop
     on 2 gloo ranks left 605 threads and 201 groups per rank). Here a dropped wrapper's groups
     go back to a pool when the wrapper is collected, and the next wrapper with the same *key*
-    (its ranks, backend, timeout and hybrid grid: everything its groups are made from) takes
-    them instead of creating new ones. The groups then number as many as the most wrappers of
-    a key alive at once.
+    (its ranks, backend, timeout, hybrid grid and torch's debug level: everything its groups
+    are made from) takes them instead of creating new ones. The groups then number as many as
+    the most wrappers of a key alive at once. A construction that finds no entry free pays one
+    full garbage collection (its cost grows with the process's live objects), and ``close()``
+    avoids that: it destroys the groups or gives them back at once.
 
     Whether an entry is free is a fact of each rank: the wrapper lives in reference cycles and
     is collected by the garbage collector, which runs at different times on each rank. So the
@@ -32,8 +34,8 @@ Note [Reusing a dropped wrapper's groups]
     (Note [Releasing a wrapper's groups] in ``validation``); for a wrapper over a strict subgroup,
     whose groups cannot be destroyed safely, ``close()`` gives them back to the pool instead.
 
-    The pool is process-wide state (the one place in the library), because what it stands for
-    is: torch's own registry of groups is process-wide. It is kept per default process group,
+    The pool is process-wide state, which the library otherwise avoids, because what it stands
+    for is: torch's own registry of groups is process-wide. It is kept per default process group,
     weakly, so that it dies with the world: ``destroy_process_group()`` followed by a new
     ``init_process_group`` (tests do that many times in one process) starts with an empty pool,
     and the dead world's groups are freed with it.

@@ -106,7 +106,9 @@ def lease_shard_groups(
         else:  # the mesh's rows, then its columns: every rank of the grid between them
             like = device_mesh.get_group(0)
             agree_over = [device_mesh.get_group(1), like]
-    key = (tuple(ranks), str(dist.get_backend(like)), collective_timeout(like), _frozen(grid))
+    # Groups made under another debug level check collectives differently (DETAIL wraps them).
+    debug = dist.get_debug_level()
+    key = (tuple(ranks), str(dist.get_backend(like)), collective_timeout(like), _frozen(grid), debug)
     return lease_groups(key, agree_over, lambda: build_shard_groups(ranks, like, grid))
 
 
