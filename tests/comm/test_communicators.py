@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, save_checkpoint
 from tests.dist_helper import run_ranks
@@ -230,6 +231,37 @@ def test_dropped_wrappers_reuse_their_groups(
         assert max(groups for _, groups in counts) == counts[0][1], f"rank {rank}: groups grew {counts}"
         assert not result["shared"], f"rank {rank}: two wrappers alive at once shared a group"
         for a, b in zip(results[0]["params"], result["params"], strict=True):
+            assert torch.equal(a, b), f"rank {rank}: params differ from rank 0's"
+
+
+def _drop_wrappers_on_a_mesh_of_some_ranks(count: int) -> tuple[list[int], list[torch.Tensor]] | None:
+    """Wrappers over a 2x2 mesh of ranks 0-3 of five, dropped in turn (rank 0 collects garbage
+    before each build): the pick is agreed over the mesh's rows, then its columns."""
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("replicate", "shard"))
+    if dist.get_rank() == 4:
+        return None
+    groups = []
+    for index in range(count):
+        if dist.get_rank() == 0:
+            gc.collect()
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        optimizer = ShardingStage1(
+            torch.optim.SGD(model.parameters(), lr=0.1), device_mesh=mesh, overlap=index % 2 == 1, model=model
+        )
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        del optimizer
+        groups.append(_groups())
+    return groups, [p.detach().clone() for p in model.parameters()]
+
+
+def test_dropped_wrappers_on_a_mesh_of_some_ranks_reuse_their_groups() -> None:
+    *members, outside = run_ranks(_drop_wrappers_on_a_mesh_of_some_ranks, 5, 3, timeout_s=SHORT_TIMEOUT_S)
+    assert outside is None
+    for rank, (groups, params) in enumerate(members):
+        assert groups == [groups[0]] * 3, f"rank {rank}: groups grew {groups}"
+        for a, b in zip(members[0][1], params, strict=True):
             assert torch.equal(a, b), f"rank {rank}: params differ from rank 0's"
 
 
