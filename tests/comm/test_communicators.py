@@ -1,6 +1,7 @@
 """Several ``ShardingStage1`` wrappers on one process group: each has its own communicator, so
-their asynchronous collectives never pair up with another wrapper's (see
-``resolve_process_group``)."""
+their asynchronous collectives never pair up with another wrapper's (Note [One communicator per
+wrapper]); a dropped wrapper's communicators go to the next one (Note [Reusing a dropped
+wrapper's groups]), and close() releases them (Note [Releasing a wrapper's groups])."""
 
 from __future__ import annotations
 
