@@ -36,16 +36,17 @@ from torch import Tensor
 from torch.distributed import ProcessGroup, Work
 
 from fusion.layout import BucketPlan
-from sharded_opt.hybrid_groups import ShardGroups
+from sharded_opt import collectives
 from sharded_opt.validation import new_communicator
 
 
-def presence_group(groups: ShardGroups, flag_device: torch.device) -> ProcessGroup:
-    """The group the presence flags are all-reduced on: every rank of the wrapper, as a group of
-    its own when the bucket reductions run on the same ranks over gloo (collective when it
-    creates one; see Note [Presence per bucket])."""
-    world = groups.world
-    if flag_device.type != "cpu" or groups.shard is not world or dist.get_world_size(world) == 1:
+def presence_group(world: ProcessGroup, shard: ProcessGroup) -> ProcessGroup:
+    """The group the presence flags are all-reduced on, for a wrapper communicating on ``world``
+    and reducing its buckets on ``shard``: every rank of the wrapper, as a group of its own when
+    the bucket reductions run on the same ranks over gloo (collective when it creates one; see
+    Note [Presence per bucket])."""
+    on_gloo = collectives.backend_for_device(world, "cpu") == "gloo"
+    if not on_gloo or shard is not world or dist.get_world_size(world) == 1:
         return world
     ranks = dist.get_process_group_ranks(world)
     return new_communicator(ranks, world, local=len(ranks) != dist.get_world_size())

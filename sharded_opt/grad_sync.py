@@ -71,7 +71,7 @@ import torch
 
 from sharded_opt import collectives
 from sharded_opt.grad_hooks import GradReadyTracker
-from sharded_opt.grad_presence import GradPresence, presence_group
+from sharded_opt.grad_presence import GradPresence
 from sharded_opt.optimizer_shards import OptimizerShards
 from sharded_opt.validation import DROP_DDP
 
@@ -105,13 +105,12 @@ class GradSync:
             self if overlap else None,
             comm if overlap and comm.stream is not None else None,
         )
-        flag_device = _flag_device(shards)
-        flags_group = presence_group(shards.groups, flag_device)
+        flags_group = shards.groups.presence
         self.presence = GradPresence(
             self._buckets,
             flags_group,
             shards.world_size,
-            flag_device,
+            _flag_device(shards),
             per_bucket=shards.world_size > 1 and flags_group is shards.groups.world,
         )
         self._local_presence = bytearray(len(shards.buffers.params))

@@ -17,7 +17,9 @@ Note [Hybrid sharding]
     each rank creates only its own row and column, by their members alone (each member then
     belongs to equally many groups, which torch's naming of such groups needs). Like the
     wrapper's own communicator (Note [One communicator per wrapper] in ``validation``)
-    they are groups of the wrapper's own, so its collectives never pair with anyone else's.
+    they are groups of the wrapper's own, so its collectives never pair with anyone else's;
+    they are created together with it and reused with it by a later wrapper of the same grid
+    (Note [Reusing a dropped wrapper's groups] in ``communicator_pool``).
 
     ``k == world`` is full sharding (one row, no replicate group) and ``k == 1`` is plain data
     parallelism over the world (every rank holds everything; grads are all-reduced).
@@ -32,7 +34,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from sharded_opt.validation import new_communicator, resolve_process_group
+from sharded_opt.collectives import collective_timeout
+from sharded_opt.communicator_pool import CommunicatorLease, lease_groups
+from sharded_opt.grad_presence import presence_group
+from sharded_opt.validation import new_communicator, user_group
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +53,8 @@ class ShardGroups:
         replica_rank: this rank's row (its index in ``replicate``), 0 without replicas.
         num_replicas: ``r``.
         grid: the global ranks of every row.
+        presence: the group the grad presence flags are agreed on (Note [Presence per bucket]
+            in ``grad_presence``): ``world``, or one of its own over the same ranks on gloo.
     """
 
     world: ProcessGroup
@@ -58,49 +65,69 @@ class ShardGroups:
     replica_rank: int
     num_replicas: int
     grid: tuple[tuple[int, ...], ...]
+    presence: ProcessGroup
+
+    def owned(self) -> list[ProcessGroup]:
+        """Every group of the wrapper's own, each once, in the same order on every rank."""
+        groups = dict.fromkeys([self.world, self.shard, self.replicate, self.presence])
+        return [group for group in groups if group is not None]
 
 
-def resolve_shard_groups(
+def lease_shard_groups(
     process_group: ProcessGroup | None, degree: int | None, device_mesh: DeviceMesh | None, sharded: bool
-) -> ShardGroups:
-    """The wrapper's groups from its arguments (collective); ``sharded=False`` (plain data
-    parallel) uses no subgroups.
+) -> CommunicatorLease[ShardGroups]:
+    """The wrapper's groups from its arguments, a dropped wrapper's where one of the same key is
+    free on every rank (collective; Note [Reusing a dropped wrapper's groups]);
+    ``sharded=False`` (plain data parallel) uses no subgroups.
 
     Raises:
         ValueError: both ``device_mesh`` and ``process_group`` or ``degree``; a ``degree`` that
             does not divide the world size; a mesh that is not 2-D or lacks this rank.
         TypeError: ``device_mesh`` is not a ``DeviceMesh``.
+        RuntimeError: no initialized process group.
     """
     if device_mesh is None:
-        world, _, _ = resolve_process_group(process_group)
-        return build_shard_groups(world, grid_of_degree(world, degree) if sharded else None)
-    if process_group is not None or degree is not None:
-        raise ValueError(
-            "ShardingStage1 expects either device_mesh or process_group / Strategy().sharding.degree "
-            "but got both; the mesh's rows already are the shard groups, so pass only device_mesh"
-        )
-    grid = grid_of_mesh(device_mesh)
-    ranks = sorted(rank for row in grid for rank in row)
-    if len(ranks) == dist.get_world_size():
-        world, _, _ = resolve_process_group(None)
+        like = user_group(process_group)
+        ranks = dist.get_process_group_ranks(like)
+        grid = grid_of_degree(ranks, degree) if sharded else None
+        agree_over = [like]
     else:
-        world = new_communicator(ranks, device_mesh.get_group(0), local=True)
-    return build_shard_groups(world, grid if sharded else None)
+        if process_group is not None or degree is not None:
+            raise ValueError(
+                "ShardingStage1 expects either device_mesh or process_group / Strategy().sharding.degree "
+                "but got both; the mesh's rows already are the shard groups, so pass only device_mesh"
+            )
+        mesh_grid = grid_of_mesh(device_mesh)
+        grid = mesh_grid if sharded else None
+        ranks = sorted(rank for row in mesh_grid for rank in row)
+        if len(ranks) == dist.get_world_size():
+            like = user_group(None)
+            agree_over = [like]
+        else:  # the mesh's rows, then its columns: every rank of the grid between them
+            like = device_mesh.get_group(0)
+            agree_over = [device_mesh.get_group(1), like]
+    # Groups made under another debug level check collectives differently (DETAIL wraps them).
+    debug = dist.get_debug_level()
+    key = (tuple(ranks), str(dist.get_backend(like)), collective_timeout(like), _frozen(grid), debug)
+    return lease_groups(key, agree_over, lambda: build_shard_groups(ranks, like, grid))
 
 
-def build_shard_groups(world: ProcessGroup, grid: list[list[int]] | None) -> ShardGroups:
-    """Create the row and column groups of ``grid`` (global ranks, rows of equal length; None:
-    one row of the whole ``world``) on every rank of the world, in the same order (collective)."""
-    world_ranks = dist.get_process_group_ranks(world)
+def build_shard_groups(ranks: list[int], like: ProcessGroup, grid: list[list[int]] | None) -> ShardGroups:
+    """Create the wrapper's communicator over the global ``ranks`` with ``like``'s backend and
+    timeout, the row and column groups of ``grid`` (global ranks, rows of equal length; None:
+    one row of every rank) and the presence flags' group, on every rank of the world in the
+    same order, or on the members alone when ``ranks`` are not the whole world (collective)."""
+    everyone = len(ranks) == dist.get_world_size()
+    world = new_communicator(ranks, like, local=not everyone)
     if grid is None or len(grid) == 1:
-        rows = (tuple(world_ranks),)
-        return ShardGroups(world, world, dist.get_rank(world), len(world_ranks), None, 0, 1, rows)
+        rows = (tuple(ranks),)
+        presence = presence_group(world, world)
+        return ShardGroups(world, world, dist.get_rank(world), len(ranks), None, 0, 1, rows, presence)
     rows = tuple(tuple(row) for row in grid)
     if len(grid[0]) == 1:  # no sharding: every rank holds everything, grads all-reduced over world
         me = dist.get_rank(world)
-        return ShardGroups(world, world, me, 1, None, me, len(grid), rows)
+        return ShardGroups(world, world, me, 1, None, me, len(grid), rows, presence_group(world, world))
     me = dist.get_rank()
-    everyone = len(world_ranks) == dist.get_world_size()
     shard = replicate = None
     for row in grid:
         created = _subgroup(row, world, me, everyone)
@@ -112,9 +139,13 @@ def build_shard_groups(world: ProcessGroup, grid: list[list[int]] | None) -> Sha
     if shard is None or replicate is None:
         raise RuntimeError(f"ShardingStage1: global rank {me} is not in the sharding grid {grid}")
     row_index = next(i for i, row in enumerate(grid) if me in row)
-    return ShardGroups(
-        world, shard, grid[row_index].index(me), len(grid[0]), replicate, row_index, len(grid), rows
-    )
+    shard_rank = grid[row_index].index(me)
+    # The flags share ``world`` with no bucket reduction here (those run on the rows).
+    return ShardGroups(world, shard, shard_rank, len(grid[0]), replicate, row_index, len(grid), rows, world)
+
+
+def _frozen(grid: list[list[int]] | None) -> tuple[tuple[int, ...], ...] | None:
+    return None if grid is None else tuple(tuple(row) for row in grid)
 
 
 def _subgroup(ranks: list[int], like: ProcessGroup, me: int, everyone: bool) -> ProcessGroup | None:
@@ -125,13 +156,12 @@ def _subgroup(ranks: list[int], like: ProcessGroup, me: int, everyone: bool) -> 
     return new_communicator(ranks, like, local=not everyone)
 
 
-def grid_of_degree(world: ProcessGroup, degree: int | None) -> list[list[int]] | None:
-    """Rows of ``degree`` consecutive ranks of ``world``; None for full sharding.
+def grid_of_degree(ranks: list[int], degree: int | None) -> list[list[int]] | None:
+    """Rows of ``degree`` consecutive ranks of ``ranks``; None for full sharding.
 
     Raises:
         ValueError: ``degree`` does not divide the world size.
     """
-    ranks = dist.get_process_group_ranks(world)
     if degree is None or degree == len(ranks):
         return None
     if len(ranks) % degree:

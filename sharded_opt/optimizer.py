@@ -38,14 +38,19 @@ from torch.utils.hooks import RemovableHandle
 from sharded_opt.bucket_comm import BucketCommunicator
 from sharded_opt.grad_clipping import GradClipping
 from sharded_opt.grad_sync import GradSync
-from sharded_opt.hybrid_groups import resolve_shard_groups
+from sharded_opt.hybrid_groups import lease_shard_groups
 from sharded_opt.param_guard import ParamGuard
 from sharded_opt.param_sync import ParamSync
 from sharded_opt.state_dict import StateDictExchange
 from sharded_opt.state_view import ShardedStateView
 from sharded_opt.step_pipeline import StepPipeline, amp_scaling_arguments
 from sharded_opt.strategy import Strategy
-from sharded_opt.validation import check_same_layout, closed_error, release_communicators
+from sharded_opt.validation import (
+    check_same_layout,
+    closed_error,
+    groups_can_be_destroyed,
+    release_communicators,
+)
 from sharded_opt.weak_hooks import remove_handles
 from sharded_opt.wrapped_guard import ADD_GROUPS_FIRST, WrappedOptimizerGuard
 from sharded_opt.wrapper_init import ModelAttacher, build_shards, check_locally, plan_buckets
@@ -117,7 +122,10 @@ class ShardingStage1(torch.optim.Optimizer):
         device_mesh: DeviceMesh | None = None,
     ) -> None:
         config, needs, params, specs = check_locally(optimizer, model, strategy, overlap, assume_elementwise)
-        groups = resolve_shard_groups(process_group, config.degree, device_mesh, config.enable)
+        # Groups of its own, a dropped wrapper's where one is free: Note [Reusing a dropped
+        # wrapper's groups]; given back when this wrapper is collected, or by close().
+        self._lease = lease_shard_groups(process_group, config.degree, device_mesh, config.enable)
+        groups = self._lease.groups
         group, rank, world_size = groups.world, dist.get_rank(groups.world), dist.get_world_size(groups.world)
         check_same_layout(specs, group, world_size)
         self.overlap = config.enable_overlap
@@ -281,7 +289,10 @@ class ShardingStage1(torch.optim.Optimizer):
     def close(self) -> None:
         """Wait for the all-gathers in flight, remove every hook and destroy the process groups
         this wrapper created (collective: call it on every rank; Note [Releasing a wrapper's
-        groups] in ``validation``). Calling it again does nothing.
+        groups] in ``validation``); over a strict subgroup they are kept for the next wrapper
+        over the same ranks instead. Calling it again does nothing. A wrapper dropped without
+        ``close()`` gives its groups to the next wrapper over the same ranks when it is
+        collected, so a loop that drops wrappers stays bounded without it.
 
         The model and the wrapped torch optimizer are then as if never wrapped (params stay views
         of the flat buffers): a new ``ShardingStage1`` can be built over the same params or torch
@@ -296,13 +307,18 @@ class ShardingStage1(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
+        destroy = release_groups and groups_can_be_destroyed(self.process_group)
+        if destroy or not release_groups:
+            # Destroyed below, or an exception may have left this rank's collectives on them
+            # unmatched: never reused (Note [Reusing a dropped wrapper's groups]).
+            self._lease.withhold()
         self._release()
         self._wrapped_guard.release()
-        if release_groups:
-            groups = self.shard_groups
-            release_communicators(
-                groups.world, [groups.shard, groups.replicate, self.grad_sync.presence.group]
-            )
+        if destroy:
+            release_communicators(self.shard_groups.owned())
+            self._lease.remove()
+        elif release_groups:
+            self._lease.give_back()
 
     def __enter__(self) -> ShardingStage1:
         return self

@@ -234,22 +234,27 @@ def _data_parallel_wrappers() -> tuple[type, ...]:
     return tuple(wrappers)
 
 
-def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGroup, int, int]:
-    """A communicator of the wrapper's own over the user's group (default: the whole world),
-    this rank's index in it and its size.
+def user_group(process_group: ProcessGroup | None) -> ProcessGroup:
+    """The user's group (default: the whole world), checked: the wrapper's own communicator is
+    made over the same ranks.
 
     Note [One communicator per wrapper]
         Collectives on one process group pair up across ranks in issue order, whoever issued
         them. Two wrappers on the same group (a GAN's generator and discriminator, say) issue
         their overlap-mode reductions from backward hooks, and ranks that run the two backwards
         in different orders would pair one wrapper's collective with the other's: silently
-        wrong numbers for equal sizes, an abort for different ones. So each wrapper splits a
-        new group with the same ranks, backend and timeout from the user's group; every
-        collective of the wrapper (bucket reductions and all-gathers, clipping norms, the
-        scaler's inf flag, state dicts, checkpoints, the initial broadcast) then runs on it and
-        is ordered only against its own kind.
+        wrong numbers for equal sizes, an abort for different ones. So each wrapper
+        communicates on a group of its own with the same ranks, backend and timeout as the
+        user's group; every collective of the wrapper (bucket reductions and all-gathers,
+        clipping norms, the scaler's inf flag, state dicts, checkpoints, the initial broadcast)
+        then runs on it and is ordered only against its own kind. The one exception is the
+        agreement at construction on which of the pool's groups to take (Note [Reusing a
+        dropped wrapper's groups] in ``communicator_pool``): it runs on the user's group, where
+        construction, being collective, has the same place among the user's collectives on
+        every rank. Two wrappers alive at once never share a group; a wrapper built after
+        another was dropped may take over its groups.
 
-        Over the whole world, the group is created by every rank together (every rank builds
+        Over the whole world, a new group is created by every rank together (every rank builds
         the wrapper), and torch names it by a counter of groups created so far, the same on
         every rank. Over a subgroup, ``use_local_synchronization=True`` lets only the members
         take part; torch then names the group after its ranks and the number of groups this
@@ -257,8 +262,8 @@ def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGr
         not in does not count: ``new_group([0])`` on two ranks would make the names differ);
         otherwise the creation waits and fails after the group's timeout. One group per
         wrapper, none per step (on gloo a second one carries the presence flags, Note
-        [Presence per bucket] in ``grad_presence``); ``close()`` destroys them, see Note
-        [Releasing a wrapper's groups].
+        [Presence per bucket] in ``grad_presence``); a dropped wrapper gives them back for the
+        next one and ``close()`` destroys them, see Note [Releasing a wrapper's groups].
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -269,9 +274,7 @@ def resolve_process_group(process_group: ProcessGroup | None) -> tuple[ProcessGr
     group = process_group if process_group is not None else dist.group.WORLD
     if dist.get_rank(group) < 0:
         raise ValueError("ShardingStage1 was given a process_group that this rank is not a member of")
-    ranks = dist.get_process_group_ranks(group)
-    communicator = new_communicator(ranks, group, local=len(ranks) < dist.get_world_size())
-    return communicator, dist.get_rank(communicator), dist.get_world_size(communicator)
+    return group
 
 
 def new_communicator(ranks: list[int], like: ProcessGroup, local: bool) -> ProcessGroup:
@@ -285,31 +288,38 @@ def new_communicator(ranks: list[int], like: ProcessGroup, local: bool) -> Proce
     )
 
 
-def release_communicators(world: ProcessGroup, others: list[ProcessGroup | None]) -> None:
-    """Destroy the wrapper's own groups, its ``world`` and ``others`` (in the same order on every
-    rank, None skipped), once every rank has finished with them (collective).
+def groups_can_be_destroyed(world: ProcessGroup) -> bool:
+    """Whether ``close()`` destroys the wrapper's groups: those over the whole world, while the
+    default group lives (Note [Releasing a wrapper's groups])."""
+    return dist.is_initialized() and dist.get_world_size(world) == dist.get_world_size()
+
+
+def release_communicators(groups: list[ProcessGroup]) -> None:
+    """Destroy the wrapper's own ``groups`` (in the same order on every rank), once every rank
+    has finished with them (collective).
 
     Note [Releasing a wrapper's groups]
         Each group holds threads and sockets (gloo: about six threads a group, twice that
-        under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) until it is destroyed, so a process that
-        builds wrappers in a loop (a sweep, a fuzzer, a trainer rebuilt per phase) would pile
-        them up until the machine thrashes. ``close()`` destroys them, after a barrier on each:
-        a rank may destroy a group only when no peer still waits on it, and the barrier also
-        completes every collective issued before it on that group (the last all-gathers, a
-        reduction started by a backward that no ``step()`` followed). Hence ``close()`` is
-        collective, like ``destroy_process_group``.
+        under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) until it is destroyed. A dropped wrapper's
+        groups go back to a pool and the next wrapper over the same ranks takes them (Note
+        [Reusing a dropped wrapper's groups] in ``communicator_pool``), so a loop that builds
+        wrappers without closing them stays bounded by the most wrappers alive at once.
+        ``close()`` goes further and destroys them now, after a barrier on each: a rank may
+        destroy a group only when no peer still waits on it, and the barrier also completes
+        every collective issued before it on that group (the last all-gathers, a reduction
+        started by a backward that no ``step()`` followed). Hence ``close()`` is collective,
+        like ``destroy_process_group``.
 
         Only groups over the whole world are destroyed. torch names those by a counter that
         never repeats; a group created by its members only (a wrapper over a strict subgroup)
         is named after its ranks and the number of live groups, so destroying it would let
         the next such group take the same name, and that group's rendezvous reads the stale
         keys the old one left in the store and hangs (measured: the second of two [0, 1]
-        groups created and destroyed in turn on three ranks never connects). Those stay until
-        the default group is destroyed, as before.
+        groups created and destroyed in turn on three ranks never connects). ``close()`` gives
+        those back to the pool instead: the next wrapper over the same ranks reuses them, so
+        they do not pile up either, and they go when the default group is destroyed.
     """
-    if not dist.is_initialized() or dist.get_world_size(world) != dist.get_world_size():
-        return
-    for group in dict.fromkeys(g for g in [world, *others] if g is not None):  # distinct, in order
+    for group in groups:
         try:
             dist.barrier(group=group)
         except RuntimeError as error:

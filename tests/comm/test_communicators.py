@@ -1,17 +1,21 @@
 """Several ``ShardingStage1`` wrappers on one process group: each has its own communicator, so
-their asynchronous collectives never pair up with another wrapper's (see
-``resolve_process_group``)."""
+their asynchronous collectives never pair up with another wrapper's (Note [One communicator per
+wrapper]); a dropped wrapper's communicators go to the next one (Note [Reusing a dropped
+wrapper's groups]), and close() releases them (Note [Releasing a wrapper's groups])."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
+import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, save_checkpoint
 from tests.dist_helper import run_ranks
@@ -139,24 +143,168 @@ def test_closing_wrappers_releases_their_groups_threads(world_size: int, degree:
         assert threads[-1] <= threads[0], f"rank {rank}: threads grew {threads} while closing wrappers"
 
 
-def _subgroup_wrappers_in_turn() -> bool:
-    """Wrappers over the strict subgroup [0, 1] of three ranks, built and closed in turn."""
+def _subgroup_wrappers_in_turn() -> list[int]:
+    """Wrappers over the strict subgroup [0, 1] of three ranks, built and closed in turn; the
+    groups of this process after each close."""
     subgroup = dist.new_group([0, 1], use_local_synchronization=True)
     if dist.get_rank() == 2:
-        return True
+        return []
+    groups = []
     for _ in range(3):
         model = nn.Linear(4, 4)
         with ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), process_group=subgroup) as optimizer:
             model(torch.ones(2, 4)).sum().backward()
             optimizer.step()
-    return True
+        groups.append(_groups())
+    return groups
 
 
 def test_wrappers_over_a_subgroup_can_be_built_and_closed_in_turn() -> None:
     """A subgroup wrapper's groups are named after their ranks and the count of live groups;
     destroying them would hand the next wrapper a name whose stale rendezvous keys hang it, so
-    they are kept (Note [Releasing a wrapper's groups])."""
-    assert run_ranks(_subgroup_wrappers_in_turn, 3, timeout_s=SHORT_TIMEOUT_S) == [True] * 3
+    close() gives them to the next wrapper instead, and they do not pile up either (Note
+    [Releasing a wrapper's groups])."""
+    zero, one, two = run_ranks(_subgroup_wrappers_in_turn, 3, timeout_s=SHORT_TIMEOUT_S)
+    assert two == []
+    for rank, groups in enumerate((zero, one)):
+        assert groups == [groups[0]] * 3, f"rank {rank}: groups grew {groups} while closing wrappers"
+
+
+def _groups() -> int:
+    """The process groups this process belongs to (the world and every other live one)."""
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _drop_wrappers(count: int, alive: int, degree: int | None, collecting_rank: int | None) -> dict:
+    """``count`` times: build ``alive`` wrappers at once, step them and drop them without
+    close(); global rank ``collecting_rank`` runs the garbage collector before each build, the
+    others leave it to the wrappers. Returns (threads, groups) after each time, whether two
+    wrappers alive at once shared a group, and the last params."""
+    gc.freeze()  # the preloaded torch out of the collector: the agreed collections take no time
+    counts, shared = [], False
+    for index in range(count):
+        if dist.get_rank() == collecting_rank:
+            gc.collect()
+        models = [nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)) for _ in range(alive)]
+        strategy = Strategy(sharding=ShardingConfig(degree=degree))
+        optimizers = [
+            ShardingStage1(
+                torch.optim.AdamW(m.parameters()), overlap=index % 2 == 1, model=m, strategy=strategy
+            )
+            for m in models
+        ]
+        owned = [{id(group) for group in optimizer.shard_groups.owned()} for optimizer in optimizers]
+        shared |= len(set().union(*owned)) < sum(len(groups) for groups in owned)
+        for model, optimizer in zip(models, optimizers, strict=True):
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()  # in overlap mode its all-gathers are still in flight when dropped
+        if index == count - 1:
+            optimizers[-1].sync_params()
+        del optimizers, optimizer
+        counts.append((_threads(), _groups()))
+    return {
+        "counts": counts,
+        "shared": shared,
+        "params": [p.detach().clone() for p in models[-1].parameters()],
+    }
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.parametrize(
+    ("world_size", "alive", "degree", "collecting_rank"),
+    [(2, 1, None, 0), (2, 2, None, None), (4, 1, 2, 1)],
+    ids=["one-alive-rank0-collects", "two-alive", "hybrid-degree-2"],
+)
+def test_dropped_wrappers_reuse_their_groups(
+    world_size: int, alive: int, degree: int | None, collecting_rank: int | None
+) -> None:
+    """Wrappers dropped without close(), as a loop that builds one per trial does: threads and
+    groups stay those of the first wrappers (the most alive at once) instead of growing by six
+    threads a wrapper, also when the ranks collect garbage at different times; wrappers alive at
+    once never share a group (Note [Reusing a dropped wrapper's groups])."""
+    count = 32 if world_size == 2 else 12
+    results = run_ranks(
+        _drop_wrappers, world_size, count, alive, degree, collecting_rank, timeout_s=SHORT_TIMEOUT_S
+    )
+    for rank, result in enumerate(results):
+        counts = result["counts"]
+        assert max(threads for threads, _ in counts) <= counts[0][0], f"rank {rank}: threads grew {counts}"
+        assert max(groups for _, groups in counts) == counts[0][1], f"rank {rank}: groups grew {counts}"
+        assert not result["shared"], f"rank {rank}: two wrappers alive at once shared a group"
+        for a, b in zip(results[0]["params"], result["params"], strict=True):
+            assert torch.equal(a, b), f"rank {rank}: params differ from rank 0's"
+
+
+def _drop_wrappers_on_a_mesh_of_some_ranks(count: int) -> tuple[list[int], list[torch.Tensor]] | None:
+    """Wrappers over a 2x2 mesh of ranks 0-3 of five, dropped in turn (rank 0 collects garbage
+    before each build): the pick is agreed over the mesh's rows, then its columns."""
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("replicate", "shard"))
+    if dist.get_rank() == 4:
+        return None
+    groups = []
+    for index in range(count):
+        if dist.get_rank() == 0:
+            gc.collect()
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        optimizer = ShardingStage1(
+            torch.optim.SGD(model.parameters(), lr=0.1), device_mesh=mesh, overlap=index % 2 == 1, model=model
+        )
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        del optimizer
+        groups.append(_groups())
+    return groups, [p.detach().clone() for p in model.parameters()]
+
+
+def test_dropped_wrappers_on_a_mesh_of_some_ranks_reuse_their_groups() -> None:
+    *members, outside = run_ranks(_drop_wrappers_on_a_mesh_of_some_ranks, 5, 3, timeout_s=SHORT_TIMEOUT_S)
+    assert outside is None
+    for rank, (groups, params) in enumerate(members):
+        assert groups == [groups[0]] * 3, f"rank {rank}: groups grew {groups}"
+        for a, b in zip(members[0][1], params, strict=True):
+            assert torch.equal(a, b), f"rank {rank}: params differ from rank 0's"
+
+
+def _wrapper_after_an_exception() -> bool:
+    """Whether a wrapper built after one closed by an exception got groups of its own."""
+    model = nn.Linear(4, 4)
+    with (
+        contextlib.suppress(ValueError),
+        ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1)) as first,
+    ):
+        raise ValueError("the loop failed")
+    withheld = first.shard_groups.owned()
+    del first
+    gc.collect()
+    second = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1))
+    return not {id(group) for group in withheld} & {id(group) for group in second.shard_groups.owned()}
+
+
+def test_groups_of_a_wrapper_closed_by_an_exception_are_not_reused() -> None:
+    """The exception may have left collectives on them that the other ranks never issued."""
+    assert run_ranks(_wrapper_after_an_exception, 2, timeout_s=SHORT_TIMEOUT_S) == [True, True]
+
+
+def _init_one_rank_world() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def test_a_new_world_starts_with_no_groups_of_the_old_one(single_rank_group) -> None:
+    """Tests and sweeps destroy the world and make a new one in one process: a wrapper dropped
+    in the old world leaves nothing for a wrapper of the new one to reuse."""
+    model = nn.Linear(4, 4)
+    old = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1)).shard_groups.owned()
+    gc.collect()  # the dropped wrapper gives its groups back
+    dist.destroy_process_group()
+    _init_one_rank_world()
+    optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not {id(group) for group in old} & {id(group) for group in optimizer.shard_groups.owned()}
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
 
 
 def _close_on_rank_zero_only() -> str:
