@@ -9,6 +9,7 @@ of a world size run in one spawn. A smoke test keeps the fuzzer's driver runnabl
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -391,3 +392,13 @@ def test_fuzz_driver_replays_a_reported_program() -> None:
     program = CASES["clip_then_step_twice"]
     assert fuzz_differential.replay(repr(program)) == program
     assert program in fuzz_differential.simpler(dataclasses.replace(program, ema=True))
+
+
+def test_fuzz_driver_runs_a_tiny_campaign(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(fuzz_differential, "CAMPAIGN_OUT", tmp_path)
+    summary = fuzz_differential.campaign(
+        seed=5, count=1, world_sizes=[2], time_limits_s={2: 120.0}, concurrent=False
+    )
+    assert fuzz_differential.campaign_passed(summary), summary
+    written = json.loads((tmp_path / "campaign-5.json").read_text())
+    assert written["seed"] == 5 and written["world_sizes"][0]["programs_ran"] == 1
