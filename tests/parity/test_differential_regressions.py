@@ -263,6 +263,44 @@ CASES: dict[str, Program] = {
         gates=200,
         state_at_start="checkpoint",
     ),
+    # Habits drawn since issue 37, written out once each.
+    # A trainer's torch clip_grad_norm_ on the local grads (staged ones among them, after
+    # model.zero_grad()): the wrapper must refuse the step (check_result: refusal expected).
+    "torch_local_clip_refused": Program(
+        optimizer="adamw",
+        steps=(StepSpec(), StepSpec(micro_batches=2, local_clip=True, zero_grad="model")),
+        scaler=True,
+        gates=96,
+        bucket_size_mb=0.001,
+    ),
+    # Muon over the matrices beside AdamW over the rest, two wrappers on one model.
+    "muon_beside_adamw": Program(
+        optimizer="muon_adamw",
+        steps=(
+            StepSpec(clip=0.05),
+            StepSpec(micro_batches=2, swap_state=True),
+            StepSpec(frozen=("expert",), expert_ranks="some"),
+        ),
+        scheduler="step",
+        ema=True,
+        scaler=True,
+        state_at_start="checkpoint",
+    ),
+    # Layers unfrozen and frozen between micro-batches, with and without no_sync.
+    "flip_layers_between_micro_batches": Program(
+        optimizer="sgd",
+        steps=(
+            StepSpec(
+                micro_batches=2,
+                no_sync=False,
+                frozen=("body",),
+                flip_after_first=("body", "expert"),
+                expert_ranks="some",
+            ),
+            StepSpec(zero_grad="model"),
+            StepSpec(micro_batches=2, flip_after_first=("head",)),
+        ),
+    ),
 }
 
 HYBRID_CASES: dict[str, Program] = {
