@@ -13,15 +13,39 @@ bounds the whole campaign: ranks stop between programs once it has passed.
 A failure prints the program's ``repr``, which replays it:
 
     python -m tests.fuzz_differential --world-sizes 3 --replay "Program(optimizer='adam', ...)"
+
+The campaign a change that adds program features or touches the grad path, the layout or the
+step needs before it is done (issue 37): ``CAMPAIGN_PROGRAMS`` programs at each of 2, 3 and 4
+ranks, hybrid included, on a fresh seed (printed; from the clock unless ``--seed`` is given),
+each world size with its own time limit, one world size after another:
+
+    python -m tests.fuzz_differential --campaign [--seed S] [--concurrent]
+
+It prints a summary (commit, seed, per world size the programs run, the failing runs and the
+seconds) and writes it to ``out/campaign-<seed>.json``; the exit status is 1 if any run failed
+or a world size ran out of time before its last program. ``--concurrent`` runs the world sizes
+at once, each in a process of its own (only worth it with more cores than ranks).
+
+Cost, measured on the 2-core machine the project develops on: 6 programs of the earlier program
+space at 2 ranks in 30 s when the machine was idle (5 s a program, sync and overlap); with this
+program space and the machine shared with three other jobs (load 7 to 15), 30 programs in 204 s
+at 2 ranks and in 779 s at 3 ranks (7 and 26 s a program; a compiled program alone costs about
+50 s at 2 ranks). So 300 programs take about 35 minutes at 2 ranks and 2 hours at 3 on such a
+loaded machine, 4 ranks more again (not measured): the campaign one by one takes most of a
+working day there, far less on an idle machine. ``--concurrent`` only helps with more cores
+than ranks. The time limits (``CAMPAIGN_TIME_LIMIT_S``) leave room for that load.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,6 +57,14 @@ from tests.dist_helper import run_ranks
 
 FUZZ_COLLECTIVE_TIMEOUT_S = 60.0
 """How long a rank waits in a collective before the world size is given up as hung."""
+
+CAMPAIGN_PROGRAMS = 300
+CAMPAIGN_WORLD_SIZES = (2, 3, 4)
+CAMPAIGN_TIME_LIMIT_S = {2: 2 * 3600.0, 3: 4 * 3600.0, 4: 6 * 3600.0}
+"""Per world size: about twice what 300 programs took on the loaded 2-core machine (see the
+module docstring), so that they all run there; a world size that runs out of time before its
+last program fails the campaign."""
+CAMPAIGN_OUT = Path("out")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +90,7 @@ def hybrid_programs(world_size: int) -> st.SearchStrategy:
     @st.composite
     def drawn(draw) -> Program:
         program = draw(programs())
-        if draw(st.integers(0, 2)) != 0:
+        if not draw(differential.one_in(2)):  # comes out at about a third, see one_in
             return program
         return dataclasses.replace(
             program, degree=draw(st.sampled_from(degrees)), device_mesh=draw(st.booleans())
@@ -159,18 +191,145 @@ def replay(text: str) -> Program:
     return eval(text, namespace)  # noqa: S307 - a program the user pasted from a report
 
 
+def summarize(world_size: int, count: int, ran: int, found: list[Failure], seconds: float) -> dict:
+    """One world size's line of a campaign summary (JSON-ready)."""
+    return {
+        "world_size": world_size,
+        "programs": count,
+        "programs_ran": ran,
+        "failing_runs": len(found),
+        "seconds": round(seconds, 1),
+        "failures": [
+            {"index": f.index, "overlap": f.overlap, "program": repr(f.program), "message": f.message}
+            for f in found
+        ],
+    }
+
+
+def commit_of_checkout() -> str | None:
+    """``git rev-parse HEAD``, with ``+changes`` when the checkout differs from it (None outside
+    a git checkout)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
+
+
+def campaign(
+    seed: int, count: int, world_sizes: list[int], time_limits_s: dict[int, float], concurrent: bool
+) -> dict:
+    """Fuzz ``count`` programs at each world size (each with its own time limit), one after
+    another or each in a process of its own at once; returns the summary, also written to
+    ``out/campaign-<seed>.json``."""
+    summary = {"commit": commit_of_checkout(), "seed": seed, "concurrent": concurrent, "world_sizes": []}
+    print(f"campaign: seed {seed}, commit {summary['commit']}, {count} programs at {world_sizes}", flush=True)
+    CAMPAIGN_OUT.mkdir(exist_ok=True)
+    if concurrent:
+        summary["world_sizes"] = _concurrent_world_sizes(seed, count, world_sizes, time_limits_s)
+    else:
+        for world_size in world_sizes:
+            started = time.time()
+            found, ran = fuzz(world_size, count, seed, time_limits_s[world_size])
+            line = summarize(world_size, count, ran, found, time.time() - started)
+            summary["world_sizes"].append(line)
+            _print_line(line)
+            for failure in found:
+                print(failure.report(), end="\n\n", flush=True)
+    path = CAMPAIGN_OUT / f"campaign-{seed}.json"
+    path.write_text(json.dumps(summary, indent=1))
+    print(json.dumps({**summary, "world_sizes": [_brief(w) for w in summary["world_sizes"]]}, indent=1))
+    print(f"summary written to {path}", flush=True)
+    return summary
+
+
+def campaign_passed(summary: dict) -> bool:
+    """No failing run, and every world size ran all its programs."""
+    return all(w["failing_runs"] == 0 and w["programs_ran"] == w["programs"] for w in summary["world_sizes"])
+
+
+def _concurrent_world_sizes(
+    seed: int, count: int, world_sizes: list[int], time_limits_s: dict[int, float]
+) -> list[dict]:
+    """Each world size in a child ``python -m tests.fuzz_differential`` at once; its output goes
+    to ``out/campaign-<seed>-ws<N>.log`` (printed at the end), its line of the summary to a
+    JSON file beside it."""
+    children = []
+    for world_size in world_sizes:
+        stem = CAMPAIGN_OUT / f"campaign-{seed}-ws{world_size}"
+        command = [
+            sys.executable, "-m", "tests.fuzz_differential", "--world-sizes", str(world_size),
+            "--programs", str(count), "--seed", str(seed), "--time-limit-s", str(time_limits_s[world_size]),
+            "--summary-json", str(stem.with_suffix(".json")),
+        ]  # fmt: skip
+        log = stem.with_suffix(".log").open("w")
+        children.append(
+            (world_size, stem, log, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+        )
+    lines = []
+    for world_size, stem, log, child in children:
+        child.wait()
+        log.close()
+        print(stem.with_suffix(".log").read_text(), flush=True)
+        try:
+            lines.append(json.loads(stem.with_suffix(".json").read_text())[0])
+        except (OSError, ValueError, IndexError):
+            lines.append(
+                summarize(world_size, count, 0, [Failure(world_size, -1, None, None, "child died")], 0.0)
+            )
+    return lines
+
+
+def _print_line(line: dict) -> None:
+    print(
+        f"world size {line['world_size']}: {line['programs_ran']} programs ran, "
+        f"{line['failing_runs']} failing runs, {line['seconds']:.0f} s",
+        flush=True,
+    )
+
+
+def _brief(line: dict) -> dict:
+    return {k: v for k, v in line.items() if k != "failures"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--programs", type=int, default=100, help="programs per world size")
-    parser.add_argument("--world-sizes", default="2,3,4")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--time-limit-s", type=float, default=600.0, help="for the whole campaign")
+    parser.add_argument("--programs", type=int, default=None, help="programs per world size")
+    parser.add_argument("--world-sizes", default=None, help="comma-separated (default 2,3,4)")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="default: 0, or from the clock with --campaign"
+    )
+    parser.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=None,
+        help="for the whole run; with --campaign, for each world size",
+    )
     parser.add_argument("--replay", help="run only this program (a failure report's repr)")
     parser.add_argument("--shrink", action="store_true", help="with --replay: shrink it while it fails")
+    parser.add_argument(
+        "--campaign", action="store_true", help="the campaign of issue 37 (see the module docstring)"
+    )
+    parser.add_argument("--concurrent", action="store_true", help="with --campaign: world sizes at once")
+    parser.add_argument("--summary-json", type=Path, help="write the per world size summary here")
     args = parser.parse_args(argv)
-    end = time.time() + args.time_limit_s
+    world_sizes = [int(w) for w in (args.world_sizes or "2,3,4").split(",")]
+    if args.campaign:
+        seed = args.seed if args.seed is not None else time.time_ns() // 1000 % 10**9
+        limits = dict(CAMPAIGN_TIME_LIMIT_S)
+        if args.time_limit_s is not None:
+            limits = dict.fromkeys(world_sizes, args.time_limit_s)
+        count = CAMPAIGN_PROGRAMS if args.programs is None else args.programs
+        return 0 if campaign_passed(campaign(seed, count, world_sizes, limits, args.concurrent)) else 1
+    seed = 0 if args.seed is None else args.seed
+    count = 100 if args.programs is None else args.programs
+    end = time.time() + (600.0 if args.time_limit_s is None else args.time_limit_s)
     failures: list[Failure] = []
-    for world_size in [int(w) for w in args.world_sizes.split(",")]:
+    lines = []
+    for world_size in world_sizes:
         started = time.time()
         if args.replay and args.shrink:
             print(repr(shrink(world_size, replay(args.replay), end - time.time())))
@@ -178,13 +337,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.replay:
             found, ran = run_batch(world_size, [replay(args.replay)], end - time.time())
         else:
-            found, ran = fuzz(world_size, args.programs, args.seed, end - time.time())
+            found, ran = fuzz(world_size, count, seed, end - time.time())
         failures += found
-        print(
-            f"world size {world_size}: {ran} programs ran, {len(found)} failing runs, "
-            f"{time.time() - started:.0f} s",
-            flush=True,
-        )
+        lines.append(summarize(world_size, 1 if args.replay else count, ran, found, time.time() - started))
+        _print_line(lines[-1])
+    if args.summary_json is not None:
+        args.summary_json.write_text(json.dumps(lines, indent=1))
     for failure in failures:
         print(failure.report(), end="\n\n")
     return 1 if failures else 0

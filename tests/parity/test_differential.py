@@ -18,7 +18,9 @@ kernels on whole params where the wrapper runs them on pieces at other offsets, 
 may contract a vectorized loop's tail differently, and because a program may run the plain
 optimizer with fused kernels and the wrapper without (``Program.kernels``; at most 3.6e-8
 relative apart). State tensors get a slack that grows with their largest element (see
-``_state_atol`` in ``tests/differential.py``). Anything semantic (a param stepped without a
+``_state_atol`` in ``tests/differential.py``). fp64 programs get the same allowance in fp64 ulps
+(``FP64_TOLERANCE``: rtol 1e-12, atol 1e-14; state bounds times 1e-6), so that a norm or a sum
+taken in fp32 on the way (1e-10 to 1e-7 off) shows. Anything semantic (a param stepped without a
 grad, a lost step count, a stale master, a dropped scheduler) is orders of magnitude above both.
 """
 

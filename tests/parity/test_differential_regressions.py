@@ -9,6 +9,7 @@ of a world size run in one spawn. A smoke test keeps the fuzzer's driver runnabl
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -280,6 +281,44 @@ CASES: dict[str, Program] = {
         gates=96,
         state_at_start="state_dict",
     ),
+    # Habits drawn since issue 37, written out once each.
+    # A trainer's torch clip_grad_norm_ on the local grads (staged ones among them, after
+    # model.zero_grad()): the wrapper must refuse the step (check_result: refusal expected).
+    "torch_local_clip_refused": Program(
+        optimizer="adamw",
+        steps=(StepSpec(), StepSpec(micro_batches=2, local_clip=True, zero_grad="model")),
+        scaler=True,
+        gates=96,
+        bucket_size_mb=0.001,
+    ),
+    # Muon over the matrices beside AdamW over the rest, two wrappers on one model.
+    "muon_beside_adamw": Program(
+        optimizer="muon_adamw",
+        steps=(
+            StepSpec(clip=0.05),
+            StepSpec(micro_batches=2, swap_state=True),
+            StepSpec(frozen=("expert",), expert_ranks="some"),
+        ),
+        scheduler="step",
+        ema=True,
+        scaler=True,
+        state_at_start="checkpoint",
+    ),
+    # Layers unfrozen and frozen between micro-batches, with and without no_sync.
+    "flip_layers_between_micro_batches": Program(
+        optimizer="sgd",
+        steps=(
+            StepSpec(
+                micro_batches=2,
+                no_sync=False,
+                frozen=("body",),
+                flip_after_first=("body", "expert"),
+                expert_ranks="some",
+            ),
+            StepSpec(zero_grad="model"),
+            StepSpec(micro_batches=2, flip_after_first=("head",)),
+        ),
+    ),
 }
 
 HYBRID_CASES: dict[str, Program] = {
@@ -416,3 +455,17 @@ def test_fuzz_driver_replays_a_reported_program() -> None:
     program = CASES["clip_then_step_twice"]
     assert fuzz_differential.replay(repr(program)) == program
     assert program in fuzz_differential.simpler(dataclasses.replace(program, ema=True))
+
+
+def test_fuzz_driver_runs_a_tiny_campaign(tmp_path, monkeypatch) -> None:
+    """The campaign's plumbing (its findings are the campaigns' business, not this test's):
+    one program at 2 ranks, a summary with the seed and the counts, written as JSON."""
+    monkeypatch.setattr(fuzz_differential, "CAMPAIGN_OUT", tmp_path)
+    summary = fuzz_differential.campaign(
+        seed=5, count=1, world_sizes=[2], time_limits_s={2: 120.0}, concurrent=False
+    )
+    written = json.loads((tmp_path / "campaign-5.json").read_text())
+    assert written == json.loads(json.dumps(summary))
+    (line,) = written["world_sizes"]
+    assert (written["seed"], line["world_size"], line["programs"], line["programs_ran"]) == (5, 2, 1, 1)
+    assert line["failing_runs"] == len(line["failures"]) and line["seconds"] > 0
