@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import multiprocessing
 import os
 import platform
 import signal
@@ -292,9 +293,12 @@ def _enter_link(plan: Plan, stack: contextlib.ExitStack) -> tuple[LinkConfig | N
 
 
 def _stop_on_sigterm() -> None:
-    """Turn SIGTERM into ``SystemExit``, so a stopped run still deletes its namespaces."""
+    """On SIGTERM, end this run's ranks and raise ``SystemExit``, so a stopped run still deletes
+    its namespaces (and does not wait at exit for ranks that would run on)."""
 
     def stop(signum: int, frame: object) -> None:
+        for child in multiprocessing.active_children():
+            child.terminate()
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
