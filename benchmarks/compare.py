@@ -414,10 +414,11 @@ def threading_is_main() -> bool:
 
 def verdict_lines(run: dict, setting: Setting) -> list[str]:
     """The verdict on the steady-state medians (block medians when only those were measured)."""
-    times = step_times(run, "steady_median_s") or step_times(run, "median_s")
-    if times is None:
+    block = step_times(run, "median_s")
+    steady = step_times(run, "steady_median_s")
+    if block is None:
         return ["(no verdict: it needs the sync and overlap modes and both pseudo-modes)"]
-    return verdict(times, setting.kind)
+    return verdict(steady, setting.kind, block) if steady else verdict(block, setting.kind)
 
 
 def _finish(plan: Plan, runs: list[dict], emulated: bool, argv: list[str] | None) -> None:

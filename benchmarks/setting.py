@@ -124,8 +124,11 @@ def step_times(run: dict, key: str) -> StepTimes | None:
     )
 
 
-def verdict(times: StepTimes, setting: SettingKind) -> list[str]:
-    """What to use here, from the measured step times: a few lines a user can act on."""
+def verdict(times: StepTimes, setting: SettingKind, block: StepTimes | None = None) -> list[str]:
+    """What to use here, from the measured step times: a few lines a user can act on.
+
+    ``times`` decides (the steady medians); ``block``, the short blocks' medians of the same
+    run, only adds a caution where it points the other way."""
     comm_share = times.comm / times.compute
     saved = times.sync - times.overlap
     ratio = f"overlap/sync {times.overlap / times.sync:.2f}"
@@ -158,9 +161,31 @@ def verdict(times: StepTimes, setting: SettingKind) -> list[str]:
             f"Against DDP: overlap/DDP {times.overlap / times.ddp:.2f} ({faster}), with 1/N of the "
             "optimizer state per rank (column state MiB)."
         )
+    caution = _caution(times, block)
+    if caution:
+        lines.append(caution)
     if setting == "loopback":
         lines.append(
             "Loopback understates communication: between nodes it costs network time. To see that "
             "here, run as root with --emulate-link GBPS (your link's rate)."
         )
     return lines
+
+
+def _pick(times: StepTimes) -> int:
+    """-1 overlap faster, 0 a tie, 1 sync faster (beyond the noise)."""
+    saved = times.sync - times.overlap
+    return -1 if saved > NOISE_FRACTION * times.sync else 1 if saved < -NOISE_FRACTION * times.sync else 0
+
+
+def _caution(times: StepTimes, block: StepTimes | None) -> str | None:
+    """Why the measurement may not hold: overlap saved more than communication alone costs (so
+    compute differed between modes: a busy machine), or the short blocks disagree."""
+    reasons = []
+    if times.sync - times.overlap > (1 + NOISE_FRACTION) * times.comm:
+        reasons.append("overlap saved more than communication alone takes, so the load on the machine moved")
+    if block is not None and _pick(block) * _pick(times) < 0:
+        reasons.append(f"the short blocks say the opposite (overlap/sync {block.overlap / block.sync:.2f})")
+    if not reasons:
+        return None
+    return "Caution: " + "; ".join(reasons) + ". Rerun on a quieter machine to confirm."

@@ -232,6 +232,23 @@ def test_verdict_names_one_choice_from_the_measured_times(times, where, said):
     assert any("--emulate-link" in line for line in lines) == (where == "loopback")
 
 
+def test_verdict_cautions_when_the_machine_was_too_busy_to_tell():
+    """The main job under a load average of 30-41 (2026-12-07): steady overlap saved 109 % of
+    comm alone while the short blocks had overlap 1 % slower; a quiet run has no caution."""
+    steady = setting.StepTimes(4.9098, 3.8203, 0.9991, 3.6599, 6.0092)
+    block = setting.StepTimes(4.8470, 4.8977, 1.1187, 3.9566, 4.0228)
+    caution = setting.verdict(steady, "link", block)[-1]
+    assert caution.startswith("Caution: overlap saved more than communication alone takes")
+    assert "short blocks say the opposite" not in caution  # 1 % slower is a tie, not the opposite
+    opposite = setting.StepTimes(4.8470, 5.2, 1.1187, 3.9566)
+    assert (
+        "the short blocks say the opposite (overlap/sync 1.07)"
+        in setting.verdict(steady, "link", opposite)[-1]
+    )
+    quiet = setting.StepTimes(0.8525, 0.7197, 0.6226, 0.2394, 0.7989)
+    assert not any(line.startswith("Caution") for line in setting.verdict(quiet, "link", quiet))
+
+
 def test_verdict_reads_steady_medians_and_needs_both_pseudo_modes():
     run = _run()
     times = setting.step_times(run, "steady_median_s")
