@@ -47,7 +47,7 @@ import platform
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -292,16 +292,25 @@ def _enter_link(plan: Plan, stack: contextlib.ExitStack) -> tuple[LinkConfig | N
     return None, Setting("loopback", reason)
 
 
-def _stop_on_sigterm() -> None:
-    """On SIGTERM, end this run's ranks and raise ``SystemExit``, so a stopped run still deletes
-    its namespaces (and does not wait at exit for ranks that would run on)."""
+@contextlib.contextmanager
+def _stop_on_sigterm() -> Iterator[None]:
+    """While the run lasts, SIGTERM ends its ranks and raises ``SystemExit``, so a stopped run
+    still deletes its namespaces (and does not wait at exit for ranks that would run on).
+    Signal handlers belong to the main thread; elsewhere (a test's thread) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
     def stop(signum: int, frame: object) -> None:
         for child in multiprocessing.active_children():
             child.terminate()
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_once(config: RunConfig, world_size: int, memory: bool) -> dict:
@@ -382,9 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = parse_args(argv)
     plan.out.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
-    if threading_is_main():
-        _stop_on_sigterm()
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_stop_on_sigterm())
         link, setting = _enter_link(plan, stack)
         print(setting.describe())
         for world_size in plan.world_sizes:
@@ -405,11 +413,6 @@ def main(argv: list[str] | None = None) -> int:
                 _print_run(runs[-1], config)
     _finish(dataclasses.replace(plan, setting=setting), runs, link is not None, argv)
     return 0
-
-
-def threading_is_main() -> bool:
-    """Signal handlers can only be set from the main thread (tests may call ``main`` elsewhere)."""
-    return threading.current_thread() is threading.main_thread()
 
 
 def verdict_lines(run: dict, setting: Setting) -> list[str]:

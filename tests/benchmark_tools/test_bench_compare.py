@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 
 import pytest
 from hypothesis import given
@@ -360,3 +361,31 @@ def test_tiny_run_profiles_every_mode(tmp_path):
     assert (tmp_path / "timeline_overlap.png").stat().st_size > 0
     traces = sorted(path.name for path in (tmp_path / "profile_bauto").iterdir())
     assert traces == [f"trace_{name}_ws2.json" for name in sorted(["sync", "overlap", "comm", "compute"])]
+
+
+def test_emulated_link_is_torn_down_when_building_it_fails(monkeypatch):
+    """A failure after the namespaces exist (here: moving the veth end into its namespace) still
+    deletes both namespaces and the veth pair left in the root namespace; nothing runs for real."""
+    made, cleanup = [], []
+
+    def fake_ip(*args: str) -> None:
+        made.append(args)
+        if args[:2] == ("link", "set"):
+            raise RuntimeError("ip link set failed: no permission")
+
+    monkeypatch.setattr(netns, "_ip", fake_ip)
+    monkeypatch.setattr(netns.subprocess, "run", lambda command, **kwargs: cleanup.append(command))
+    link = netns.LinkConfig(0.2, prefix="shopttest")
+    with pytest.raises(RuntimeError, match="no permission"), netns.shaped_link(link):
+        pass
+    assert ("netns", "add", "shopttest-ns0") in made and ("netns", "add", "shopttest-ns1") in made
+    assert ["ip", "netns", "delete", "shopttest-ns0"] in cleanup
+    assert ["ip", "netns", "delete", "shopttest-ns1"] in cleanup
+    assert ["ip", "link", "delete", "shopttest-v0"] in cleanup
+
+
+def test_sigterm_handler_lasts_only_as_long_as_the_run():
+    before = signal.getsignal(signal.SIGTERM)
+    with compare._stop_on_sigterm():
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
