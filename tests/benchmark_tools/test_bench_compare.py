@@ -246,6 +246,11 @@ def test_verdict_cautions_when_the_machine_was_too_busy_to_tell():
         "the short blocks say the opposite (overlap/sync 1.07)"
         in setting.verdict(steady, "link", opposite)[-1]
     )
+    # The second default run (load average 9-18): sync 2105 ms against 1798 + 717 ms of its parts.
+    moved = setting.StepTimes(2.1054, 2.8177, 0.7169, 1.7976, 2.1345)
+    lines = setting.verdict(moved, "link", setting.StepTimes(2.5264, 2.5381, 0.7372, 1.4236))
+    assert lines[1].startswith("Use sync (the default) here: overlap was slower (overlap/sync 1.34).")
+    assert lines[-1].startswith("Caution: sync took 2105 ms against 2514 ms of compute plus communication")
     quiet = setting.StepTimes(0.8525, 0.7197, 0.6226, 0.2394, 0.7989)
     assert not any(line.startswith("Caution") for line in setting.verdict(quiet, "link", quiet))
 
