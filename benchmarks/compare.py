@@ -1,8 +1,13 @@
 """``python -m benchmarks.compare``: DDP, ZeroRedundancyOptimizer and ShardingStage1 (sync and
 overlap) on the same GPT, data, seed and AdamW, measured interleaved in one process group.
 
-See ``--help``; the defaults took 4 min 14 s on 2 otherwise idle CPU cores
-(benchmarks/results/2026-12-04-cpu-2core.md). Each mode is timed two ways, interleaved: short
+The default preset, ``auto``, runs where the comparison means something and says which it ran
+(``benchmarks.setting``): on the machine's accelerators when there is one per rank; else on CPU
+ranks joined by an emulated 200 Mbit/s link when the machine allows it (root, ``ip``, ``tc``:
+the ``comm-bound`` preset); else on CPU ranks over loopback (the ``loopback`` preset), where
+communication costs almost nothing and overlap has little to hide. It ends with a verdict: which
+mode to use on this machine, from the measured compute and communication. ``--targets`` adds the
+project's own acceptance checks. Each mode is timed two ways, interleaved: short
 blocks that each end with ``sync_params()``, then long steady-state blocks. Two pseudo-modes,
 communication alone and compute alone, give the hidden share of communication
 (``report.hidden_comm``) and the distance to max(compute, comm). Writes ``results.json``,
@@ -36,9 +41,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import multiprocessing
 import os
 import platform
+import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +59,7 @@ from benchmarks.modes import MODES, MUON_MODES, OPTIMIZERS
 from benchmarks.netns import LinkConfig, link_unavailable_reason, parse_link, shaped_link
 from benchmarks.report import bucket_label
 from benchmarks.session import RunConfig, compare_rank, memory_rank
+from benchmarks.setting import DEFAULT_LINK_GBPS, Setting, choose_setting, step_times, verdict
 from sharded_opt import spawn
 
 
@@ -63,6 +73,9 @@ class Plan:
     out: Path
     memory: bool
     link: LinkConfig | None
+    setting: Setting
+    targets: bool = False
+    """Print (and store) the project's acceptance targets: our checks, not a user's."""
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -94,11 +107,54 @@ class Preset:
 
 
 PRESETS_BY_NAME = {
-    "default": Preset(),
-    # 200 Mbit/s: on the default GPT, communication alone is several times the compute. Fewer
-    # rounds, since every step takes about a second.
-    "comm-bound": Preset(link="0.2", memory=False, rounds=4, steady_rounds=2, steady_steps=6),
+    "loopback": Preset(),
+    # 200 Mbit/s: on the default GPT, communication alone is a few times the compute. Fewer
+    # rounds and no memory pass, since every step takes about a second.
+    "comm-bound": Preset(
+        link=f"{DEFAULT_LINK_GBPS:g}", memory=False, rounds=4, steady_rounds=2, steady_steps=6
+    ),
 }
+"""``auto`` (the default) picks one of these from the machine, see :func:`_auto_preset`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """What :func:`benchmarks.setting.choose_setting` needs to know about this machine."""
+
+    accelerator_type: str | None
+    device_count: int
+    link_unavailable: Callable[[tuple[int, ...]], str | None]
+    """Why an emulated link cannot join these world sizes here, or None."""
+
+
+def this_machine() -> Machine:
+    available = torch.accelerator.is_available()
+    accelerator = torch.accelerator.current_accelerator() if available else None
+    return Machine(
+        None if accelerator is None else accelerator.type,
+        torch.accelerator.device_count() if available else 0,
+        link_unavailable_reason,
+    )
+
+
+def _auto_preset(world_sizes: tuple[int, ...], machine: Machine) -> tuple[str, Setting]:
+    """The preset the ``auto`` default runs here, and the setting it stands for."""
+    setting = choose_setting(
+        accelerator_type=machine.accelerator_type,
+        device_count=machine.device_count,
+        world_size=max(world_sizes),
+        link_unavailable=machine.link_unavailable(world_sizes),
+    )
+    return ("comm-bound" if setting.kind == "link" else "loopback"), setting
+
+
+def _named_setting(preset: str, link: LinkConfig | None, cpu_ranks: bool) -> Setting:
+    """The setting of a run whose preset or link the command line named."""
+    if link is not None:
+        return Setting("link", "asked for on the command line", link.gbps)
+    if not cpu_ranks:
+        return Setting("accelerator", "one device per rank")
+    return Setting("loopback", f"the {preset} preset")
 
 
 def _mode_list(text: str) -> tuple[str, ...]:
@@ -109,13 +165,17 @@ def _mode_list(text: str) -> tuple[str, ...]:
     return tuple(mode for mode in MODES if mode in modes)  # keep the A B C D order
 
 
-def parse_args(argv: list[str] | None) -> Plan:
+def parse_args(argv: list[str] | None, machine: Machine | None = None) -> Plan:
+    """The command line as a :class:`Plan`; ``machine`` (default: this one) decides ``auto``."""
     defaults = RunConfig()
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__)
     parser.add_argument("--model", choices=MODEL_NAMES, default=defaults.model)
     parser.add_argument("--world-sizes", type=_int_list, default=(2,), help="e.g. 1,2,4 (default 2)")
-    parser.add_argument("--preset", choices=PRESETS_BY_NAME, default="default",
-                        help="comm-bound: 200 Mbit/s link (root), fewer rounds, no memory")  # fmt: skip
+    parser.add_argument("--preset", choices=("auto", *PRESETS_BY_NAME), default="auto",
+                        help="auto (default): accelerators, else an emulated link, else loopback; "
+                        "comm-bound: 200 Mbit/s link (root), fewer rounds, no memory; loopback")  # fmt: skip
+    parser.add_argument("--targets", action="store_true",
+                        help="also check the project's acceptance targets (MET/MISS)")  # fmt: skip
     parser.add_argument("--bucket-mb", type=_bucket_list, default=(defaults.bucket_mb,),
                         help="auto (each library's default) or MiB, e.g. auto,1,4")  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=defaults.micro_batch, help="sequences per rank")
@@ -153,7 +213,13 @@ def parse_args(argv: list[str] | None) -> Plan:
     )
     parser.add_argument("--out", type=Path, default=Path("out/compare"))
     args = parser.parse_args(argv)
-    preset = PRESETS_BY_NAME[args.preset]
+    machine = this_machine() if machine is None else machine
+    preset_name, setting = args.preset, None
+    if preset_name == "auto":
+        preset_name, setting = _auto_preset(args.world_sizes, machine)
+        if args.emulate_link is not None:
+            setting = None  # the named link decides, below
+    preset = PRESETS_BY_NAME[preset_name]
     rounds = preset.rounds if preset.rounds is not None and args.rounds == defaults.rounds else args.rounds
     steady_rounds = _first_set(args.steady_rounds, preset.steady_rounds, defaults.steady_rounds)
     steady_steps = _first_set(args.steady_steps, preset.steady_steps, defaults.steady_steps)
@@ -176,6 +242,11 @@ def parse_args(argv: list[str] | None) -> Plan:
     modes = tuple(mode for mode in chosen if mode != "hybrid" or args.degree is not None)
     if link is not None and args.degree is not None:
         link = dataclasses.replace(link, ranks_per_node=args.degree)
+    # Two ranks cannot share one device's collectives (NCCL refuses it): with fewer devices than
+    # ranks, the ranks run on CPU.
+    cpu_ranks = machine.accelerator_type is None or machine.device_count < max(args.world_sizes)
+    if setting is None:
+        setting = _named_setting(preset_name, link, cpu_ranks)
     base = dataclasses.replace(
         defaults,
         model=args.model,
@@ -195,30 +266,51 @@ def parse_args(argv: list[str] | None) -> Plan:
         gloo_point_to_point=args.gloo_p2p,
         optimizer=args.optimizer,
         compile_backend=args.compile,
+        cpu_ranks=cpu_ranks,
     )
-    return Plan(base, args.world_sizes, args.bucket_mb, args.out, memory, link)
+    return Plan(base, args.world_sizes, args.bucket_mb, args.out, memory, link, setting, args.targets)
 
 
 def _first_set(*values: int | None) -> int:
     return next(value for value in values if value is not None)
 
 
-def _enter_link(plan: Plan, stack: contextlib.ExitStack) -> LinkConfig | None:
-    """The shaped link if one was asked for and can be built (torn down when ``stack`` closes);
-    otherwise say why and return None, so the run goes on without it."""
+def _enter_link(plan: Plan, stack: contextlib.ExitStack) -> tuple[LinkConfig | None, Setting]:
+    """The shaped link if one was asked for and can be built (torn down when ``stack`` closes,
+    also when the run fails or is stopped); otherwise say why and go on over loopback."""
     if plan.link is None:
-        return None
+        return None, plan.setting
     reason = link_unavailable_reason(plan.world_sizes, plan.link.ranks_per_node)
-    if reason is not None:
-        print(f"NOTE: {reason}; running without link emulation.")
-        return None
-    if plan.link.latency_ms:
-        print("NOTE: latency is not applied: this kernel has no sch_netem; only the rate is shaped.")
+    if reason is None:
+        if plan.link.latency_ms:
+            print("NOTE: latency is not applied: this kernel has no sch_netem; only the rate is shaped.")
+        try:
+            return stack.enter_context(shaped_link(plan.link)), plan.setting
+        except RuntimeError as error:
+            reason = f"could not build the emulated link: {error}"
+    print(f"NOTE: {reason}; running over loopback instead.")
+    return None, Setting("loopback", reason)
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm() -> Iterator[None]:
+    """While the run lasts, SIGTERM ends its ranks and raises ``SystemExit``, so a stopped run
+    still deletes its namespaces (and does not wait at exit for ranks that would run on).
+    Signal handlers belong to the main thread; elsewhere (a test's thread) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        for child in multiprocessing.active_children():
+            child.terminate()
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
-        return stack.enter_context(shaped_link(plan.link))
-    except RuntimeError as error:
-        print(f"NOTE: could not build the emulated link ({error}); running without it.")
-        return None
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_once(config: RunConfig, world_size: int, memory: bool) -> dict:
@@ -300,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.out.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
     with contextlib.ExitStack() as stack:
-        link = _enter_link(plan, stack)
+        stack.enter_context(_stop_on_sigterm())
+        link, setting = _enter_link(plan, stack)
+        print(setting.describe())
         for world_size in plan.world_sizes:
             for bucket_mb in plan.bucket_mbs:
                 label = bucket_label(bucket_mb)
@@ -317,12 +411,21 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 runs.append(run_once(config, world_size, plan.memory))
                 _print_run(runs[-1], config)
-    _finish(plan, runs, link is not None, argv)
+    _finish(dataclasses.replace(plan, setting=setting), runs, link is not None, argv)
     return 0
 
 
+def verdict_lines(run: dict, setting: Setting) -> list[str]:
+    """The verdict on the steady-state medians (block medians when only those were measured)."""
+    block = step_times(run, "median_s")
+    steady = step_times(run, "steady_median_s")
+    if block is None:
+        return ["(no verdict: it needs the sync and overlap modes and both pseudo-modes)"]
+    return verdict(steady, setting.kind, block) if steady else verdict(block, setting.kind)
+
+
 def _finish(plan: Plan, runs: list[dict], emulated: bool, argv: list[str] | None) -> None:
-    """Scaling/sweep tables, target checks, results.json and charts."""
+    """Scaling/sweep tables, the verdict (and targets with ``--targets``), results.json, charts."""
     if len(plan.world_sizes) > 1:
         print("\nScaling (first bucket size):")
         print(report.scaling_table([r for r in runs if r["bucket_mb"] == plan.bucket_mbs[0]]))
@@ -335,16 +438,21 @@ def _finish(plan: Plan, runs: list[dict], emulated: bool, argv: list[str] | None
             print(report.sweep_table([r for r in runs if r["world_size"] == world_size]))
     single = next((r for r in runs if r["world_size"] == 1), None)
     main_run = next((r for r in runs if r["world_size"] > 1), runs[0])
-    checks = report.targets(main_run, single, emulated)
-    print(f"\nTargets ({main_run['world_size']} ranks, {bucket_label(main_run['bucket_mb'])} MiB buckets):")
-    for check in checks:
+    checks = report.targets(main_run, single, emulated) if plan.targets else []
+    if checks:
         print(
-            f"  {'MET ' if check.met else 'MISS'} {check.name}: {check.measured:.3f} (limit {check.limit:g})"
+            f"\nTargets ({main_run['world_size']} ranks, {bucket_label(main_run['bucket_mb'])} MiB buckets):"
         )
+        for check in checks:
+            mark = "MET " if check.met else "MISS"
+            print(f"  {mark} {check.name}: {check.measured:.3f} (limit {check.limit:g})")
+    lines = verdict_lines(main_run, plan.setting)
     payload = {
         "command": " ".join(["python -m benchmarks.compare", *(sys.argv[1:] if argv is None else argv)]),
         "config": dataclasses.asdict(plan.base),
         "emulated_link": dataclasses.asdict(plan.link) if emulated and plan.link else None,
+        "setting": dataclasses.asdict(plan.setting),
+        "verdict": lines,
         "environment": _environment(),
         "runs": runs,
         "targets": [check.as_dict() for check in checks],
@@ -354,6 +462,8 @@ def _finish(plan: Plan, runs: list[dict], emulated: bool, argv: list[str] | None
     if main_run["timeline"]:
         plots.plot_timeline(main_run["timeline"], plan.out / "timeline_overlap.png")
     print(f"\nWrote {plan.out}/results.json, step_times.png, timeline_overlap.png and Chrome traces")
+    print(f"\nVerdict ({plan.setting.where()}, {main_run['world_size']} ranks):")
+    print("\n".join(f"  {line}" for line in lines))
 
 
 if __name__ == "__main__":

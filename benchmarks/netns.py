@@ -92,6 +92,10 @@ def shaped_link(link: LinkConfig) -> Iterator[LinkConfig]:
     finally:
         for namespace in created:
             subprocess.run(["ip", "netns", "delete", namespace], check=False, capture_output=True)
+        # A veth end still in the root namespace (the move into its namespace failed) outlives
+        # the namespaces; deleting one end deletes the pair. Absent, as after a good run: no-op.
+        for rank in (0, 1):
+            subprocess.run(["ip", "link", "delete", link.interface(rank)], check=False, capture_output=True)
 
 
 def _configure_end(link: LinkConfig, rank: int) -> None:

@@ -76,6 +76,8 @@ class RunConfig:
     muon: MuonConfig = MuonConfig()
     compile_backend: str | None = None
     """``torch.compile`` backend for every mode's forward (``--compile``); None: eager."""
+    cpu_ranks: bool = False
+    """Run the ranks on CPU even where an accelerator is visible (fewer devices than ranks)."""
 
     @property
     def total_steps(self) -> int:
@@ -84,7 +86,7 @@ class RunConfig:
 
 def splits_steps(config: RunConfig) -> bool:
     """Whether :func:`compare_rank` splits each block's time (Muon, CPU ranks; see ``step_split``)."""
-    return config.optimizer == "muon" and not torch.accelerator.is_available()
+    return config.optimizer == "muon" and (config.cpu_ranks or not torch.accelerator.is_available())
 
 
 def compare_rank(config: RunConfig) -> dict:
@@ -181,7 +183,7 @@ def memory_rank(config: RunConfig, mode: str) -> dict[str, int]:
 
 
 def _mode_spec(config: RunConfig, group: ProcessGroup) -> ModeSpec:
-    if torch.accelerator.is_available():
+    if torch.accelerator.is_available() and not config.cpu_ranks:
         accelerator = torch.accelerator.current_accelerator()
         device = torch.device(accelerator.type, torch.accelerator.current_device_index())
     else:

@@ -168,6 +168,7 @@ def test_optimizer_step_world_size_1(benchmark, pair: Pair, layout: str) -> None
 MUON_SMOKE = (
     "--optimizer", "muon", "--model", "tiny", "--micro-batch", "2", "--seq-len", "8", "--warmup", "1",
     "--rounds", "2", "--steps-per-round", "1", "--steady-rounds", "2", "--steady-steps", "1", "--no-memory",
+    "--preset", "loopback",
 )  # fmt: skip
 """``--optimizer muon`` at the smallest sizes the options allow: 11 s on the 2-core machine, 31 s
 while other jobs loaded it."""

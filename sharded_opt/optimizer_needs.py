@@ -69,28 +69,28 @@ ASSUMED_ELEMENTWISE = OptimizerNeeds(whole_params=False)
 """A class taken on the caller's word (``assume_elementwise=True``): it may keep state per
 ``step()`` call, so it is stepped once per ``step()``."""
 
-TORCH_OPTIMIZERS: Mapping[type[torch.optim.Optimizer], OptimizerNeeds] = MappingProxyType(
-    {
-        **dict.fromkeys(
-            (
-                torch.optim.SGD,
-                torch.optim.Adam,
-                torch.optim.AdamW,
-                torch.optim.Adamax,
-                torch.optim.NAdam,
-                torch.optim.RAdam,
-                torch.optim.Adagrad,
-                torch.optim.Adadelta,
-                torch.optim.RMSprop,
-                torch.optim.Rprop,
-                torch.optim.ASGD,
-            ),
-            ELEMENTWISE,
-        ),
-        torch.optim.Muon: MUON,
-        torch.optim.Adafactor: ADAFACTOR,
-    }
-)
+ELEMENTWISE_CLASSES = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
+    torch.optim.Rprop, torch.optim.ASGD,
+)  # fmt: skip
+WHOLE_PARAM_NEEDS_BY_NAME = {"Muon": MUON, "Adafactor": ADAFACTOR}
+"""torch's whole-param classes, by name: both are newer than the element-wise ones (Muon ships
+from torch 2.9), and a torch without one has no entry for it, so ``import sharded_opt`` works
+there too."""
+
+
+def torch_optimizers(optim: object = torch.optim) -> Mapping[type[torch.optim.Optimizer], OptimizerNeeds]:
+    """torch's classes with their needs; of the whole-param ones, those ``optim`` (the installed
+    ``torch.optim``) has."""
+    needs = dict.fromkeys(ELEMENTWISE_CLASSES, ELEMENTWISE)
+    for name, whole in WHOLE_PARAM_NEEDS_BY_NAME.items():
+        if hasattr(optim, name):
+            needs[getattr(optim, name)] = whole
+    return MappingProxyType(needs)
+
+
+TORCH_OPTIMIZERS = torch_optimizers()
 """torch's classes, by exact type (a subclass may change ``step``)."""
 
 

@@ -78,7 +78,10 @@ class ShardingStage1Accelerator(Accelerator):
     Args:
         *args: ``Accelerator``'s own arguments.
         overlap: reduce grads during backward and all-gather params during the next forward
-            (``ShardingStage1(overlap=...)``).
+            (``ShardingStage1(overlap=...)``); default False (sync), as ``ShardingStage1``'s own:
+            overlap pays off only where communication is a large part of the step (between
+            nodes), and can cost time where it is not; ``python -m benchmarks.compare`` says which
+            one a machine wants.
         strategy: a :class:`~sharded_opt.Strategy` for every wrapped optimizer (bucket sizes,
             mixed precision, hybrid sharding); default ``Strategy()``.
         **kwargs: ``Accelerator``'s own keyword arguments.
@@ -89,7 +92,7 @@ class ShardingStage1Accelerator(Accelerator):
     """
 
     def __init__(
-        self, *args: Any, overlap: bool = True, strategy: Strategy | None = None, **kwargs: Any
+        self, *args: Any, overlap: bool = False, strategy: Strategy | None = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
         if self.distributed_type not in _SUPPORTED_TYPES:

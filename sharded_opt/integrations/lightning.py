@@ -52,7 +52,10 @@ class ShardingStage1Strategy(DDPStrategy):
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for ``DDPStrategy``.
-        overlap: reduce grads during backward and all-gather params during the next forward.
+        overlap: reduce grads during backward and all-gather params during the next forward;
+            default False (sync), as ``ShardingStage1``'s own: overlap pays off only where
+            communication is a large part of the step (between nodes), and can cost time where it is
+            not; ``python -m benchmarks.compare`` says which one a machine wants.
         strategy: a :class:`~sharded_opt.Strategy` for every wrapped optimizer.
 
     Raises:
@@ -71,7 +74,7 @@ class ShardingStage1Strategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         *,
-        overlap: bool = True,
+        overlap: bool = False,
         strategy: Strategy | None = None,
     ) -> None:
         super().__init__(

@@ -42,7 +42,10 @@ class ShardingStage1Trainer(Trainer):
 
     Args:
         *args: ``Trainer``'s own arguments.
-        overlap: reduce grads during backward and all-gather params during the next forward.
+        overlap: reduce grads during backward and all-gather params during the next forward;
+            default False (sync), as ``ShardingStage1``'s own: overlap pays off only where
+            communication is a large part of the step (between nodes), and can cost time where it is
+            not; ``python -m benchmarks.compare`` says which one a machine wants.
         strategy: a :class:`~sharded_opt.Strategy` for the wrapped optimizer; default ``Strategy()``.
         **kwargs: ``Trainer``'s own keyword arguments (``optimizers=(optimizer, scheduler)``
             takes a plain torch optimizer, which is wrapped).
@@ -53,7 +56,7 @@ class ShardingStage1Trainer(Trainer):
     """
 
     def __init__(
-        self, *args: Any, overlap: bool = True, strategy: Strategy | None = None, **kwargs: Any
+        self, *args: Any, overlap: bool = False, strategy: Strategy | None = None, **kwargs: Any
     ) -> None:
         # Read by create_accelerator_and_postprocess, which Trainer.__init__ calls.
         self._sharding_overlap = overlap

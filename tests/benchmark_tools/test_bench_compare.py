@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks import compare, netns, plots, report, session
+from benchmarks import compare, netns, plots, report, session, setting
 from benchmarks.modes import COMM_ONLY, COMPUTE_ONLY
 
 MS = 1e-3
@@ -144,6 +145,7 @@ def test_progress_bar_labels_the_losses():
 def test_targets_use_steady_state_and_follow_the_link():
     run = _run()
     default = {t.name: t for t in report.targets(run, None, emulated_link=False)}
+    assert compare.parse_args(["--targets"], LOOPBACK_ONLY).targets
     assert default["overlap / ddp step time (steady)"].limit == 1.00
     assert default["overlap / sync step time (steady)"].limit == 0.93
     linked = {t.name: t for t in report.targets(run, None, emulated_link=True)}
@@ -159,10 +161,108 @@ def test_bucket_list_accepts_auto_and_rejects_bad_sizes():
             compare._bucket_list(text)
 
 
+LOOPBACK_ONLY = compare.Machine(None, 0, lambda world_sizes: "--emulate-link needs root")
+LINK_OK = compare.Machine(None, 0, lambda world_sizes: None)
+
+
 def test_default_run_uses_library_default_buckets():
-    plan = compare.parse_args([])
+    plan = compare.parse_args([], LOOPBACK_ONLY)
     assert plan.bucket_mbs == (None,) and plan.link is None and plan.memory
     assert (plan.base.steady_rounds, plan.base.steady_steps) == (4, 10)
+    assert plan.setting.kind == "loopback" and not plan.targets
+
+
+def test_default_run_takes_the_emulated_link_where_the_machine_allows_it():
+    """auto = the comm-bound preset where a link can be built, loopback otherwise."""
+    plan = compare.parse_args([], LINK_OK)
+    assert plan.setting.kind == "link" and plan.link.gbps == setting.DEFAULT_LINK_GBPS
+    assert plan.base.cpu_ranks and not plan.memory and plan.base.rounds == 4
+    # The user's own flags still win over what auto chose.
+    assert compare.parse_args(["--rounds", "6", "--memory"], LINK_OK).base.rounds == 6
+    assert compare.parse_args(["--preset", "loopback"], LINK_OK).link is None
+    named = compare.parse_args(["--emulate-link", "1"], LOOPBACK_ONLY)
+    assert named.setting.kind == "link" and named.link.gbps == 1.0
+
+
+def test_default_run_uses_accelerators_only_with_one_per_rank():
+    two = compare.Machine("cuda", 2, lambda world_sizes: None)
+    plan = compare.parse_args([], two)
+    assert plan.setting.kind == "accelerator" and plan.link is None and not plan.base.cpu_ranks
+    one = compare.Machine("cuda", 1, lambda world_sizes: None)
+    plan = compare.parse_args([], one)
+    assert plan.setting.kind == "link" and plan.base.cpu_ranks
+    assert "1 cuda device(s) for 2 ranks" in plan.setting.reason
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "devices", "link_unavailable", "kind", "said"),
+    [
+        ("cuda", 8, None, "accelerator", "8 cuda device(s) for 2 ranks"),
+        ("cuda", 1, None, "link", "two ranks cannot share one device's collectives"),
+        (None, 0, None, "link", "loopback would cost communication almost nothing"),
+        (None, 0, "--emulate-link needs root", "loopback", "no emulated link (--emulate-link needs root)"),
+    ],
+)
+def test_choose_setting(accelerator, devices, link_unavailable, kind, said):
+    found = setting.choose_setting(
+        accelerator_type=accelerator, device_count=devices, world_size=2, link_unavailable=link_unavailable
+    )
+    assert found.kind == kind and said in found.reason
+    assert found.describe().startswith("Running on ") and found.where()
+    assert (found.gbps is not None) == (kind == "link")
+
+
+@pytest.mark.parametrize(
+    ("times", "where", "said"),
+    [
+        # The comm-bound preset, eager (2026-12-05): overlap hid 133 ms.
+        (setting.StepTimes(0.8525, 0.7197, 0.6226, 0.2394, 0.7989), "link", "Use overlap=True, model=model"),
+        # Loopback, quiet 2-core machine (2026-12-06): overlap 6 % slower, comm 14 % of compute.
+        (setting.StepTimes(0.2876, 0.3061, 0.036, 0.250, 0.2644), "loopback", "Either mode"),
+        # Comm a fifth of compute and overlap clearly slower: sync.
+        (setting.StepTimes(0.300, 0.330, 0.060, 0.240), "loopback", "Use sync (the default)"),
+        # Comm a fifth of compute, overlap within the noise: either.
+        (setting.StepTimes(0.300, 0.295, 0.060, 0.240), "accelerator", "hid no more than the noise"),
+    ],
+)
+def test_verdict_names_one_choice_from_the_measured_times(times, where, said):
+    lines = setting.verdict(times, where)
+    assert lines[0].startswith("Measured per step: compute")
+    assert said in lines[1]
+    assert any(line.startswith("Against DDP") for line in lines) == (times.ddp is not None)
+    assert any("--emulate-link" in line for line in lines) == (where == "loopback")
+
+
+def test_verdict_cautions_when_the_machine_was_too_busy_to_tell():
+    """The main job under a load average of 30-41 (2026-12-07): steady overlap saved 109 % of
+    comm alone while the short blocks had overlap 1 % slower; a quiet run has no caution."""
+    steady = setting.StepTimes(4.9098, 3.8203, 0.9991, 3.6599, 6.0092)
+    block = setting.StepTimes(4.8470, 4.8977, 1.1187, 3.9566, 4.0228)
+    caution = setting.verdict(steady, "link", block)[-1]
+    assert caution.startswith("Caution: overlap saved more than communication alone takes")
+    assert "short blocks say the opposite" not in caution  # 1 % slower is a tie, not the opposite
+    opposite = setting.StepTimes(4.8470, 5.2, 1.1187, 3.9566)
+    assert (
+        "the short blocks say the opposite (overlap/sync 1.07)"
+        in setting.verdict(steady, "link", opposite)[-1]
+    )
+    # The second default run (load average 9-18): sync 2105 ms against 1798 + 717 ms of its parts.
+    moved = setting.StepTimes(2.1054, 2.8177, 0.7169, 1.7976, 2.1345)
+    lines = setting.verdict(moved, "link", setting.StepTimes(2.5264, 2.5381, 0.7372, 1.4236))
+    assert lines[1].startswith("Use sync (the default) here: overlap was slower (overlap/sync 1.34).")
+    assert lines[-1].startswith("Caution: sync took 2105 ms against 2514 ms of compute plus communication")
+    quiet = setting.StepTimes(0.8525, 0.7197, 0.6226, 0.2394, 0.7989)
+    assert not any(line.startswith("Caution") for line in setting.verdict(quiet, "link", quiet))
+
+
+def test_verdict_reads_steady_medians_and_needs_both_pseudo_modes():
+    run = _run()
+    times = setting.step_times(run, "steady_median_s")
+    assert (times.sync, times.overlap, times.comm) == pytest.approx((0.221, 0.191, 0.041))
+    lines = compare.verdict_lines(run, setting.Setting("link", "test", 0.2))
+    assert "hid 30 ms of communication" in lines[1]
+    del run["modes"][COMM_ONLY]
+    assert compare.verdict_lines(run, setting.Setting("loopback", "test"))[0].startswith("(no verdict")
 
 
 def test_compile_flag_names_a_backend_and_defaults_to_inductor():
@@ -172,10 +272,11 @@ def test_compile_flag_names_a_backend_and_defaults_to_inductor():
 
 
 def test_comm_bound_preset_and_explicit_flags_win():
-    plan = compare.parse_args(["--preset", "comm-bound"])
+    plan = compare.parse_args(["--preset", "comm-bound"], LOOPBACK_ONLY)
     assert plan.link is not None and plan.link.gbps == 0.2
     assert not plan.memory and plan.base.rounds == 4 and plan.base.steady_rounds == 2
-    plan = compare.parse_args(["--preset", "comm-bound", "--emulate-link", "1", "--rounds", "6", "--memory"])
+    argv = ["--preset", "comm-bound", "--emulate-link", "1", "--rounds", "6", "--memory"]
+    plan = compare.parse_args(argv, LOOPBACK_ONLY)
     assert plan.link.gbps == 1.0 and plan.base.rounds == 6 and plan.memory
 
 
@@ -249,9 +350,9 @@ def test_step_split_per_rank_means_and_balance():
 def test_tiny_run_profiles_every_mode(tmp_path):
     """End to end on the tiny GPT: both methods and both pseudo-modes are measured, and
     ``--profile`` leaves one Chrome trace per mode."""
-    argv = ["--model", "tiny", "--modes", "sync,overlap", "--warmup", "1", "--rounds", "2",
-            "--steps-per-round", "1", "--steady-rounds", "2", "--steady-steps", "2", "--no-memory",
-            "--profile", "--out", str(tmp_path)]  # fmt: skip
+    argv = ["--model", "tiny", "--preset", "loopback", "--modes", "sync,overlap", "--warmup", "1",
+            "--rounds", "2", "--steps-per-round", "1", "--steady-rounds", "2", "--steady-steps", "2",
+            "--no-memory", "--profile", "--out", str(tmp_path)]  # fmt: skip
     assert compare.main(argv) == 0
     run = json.loads((tmp_path / "results.json").read_text())["runs"][0]
     assert set(run["modes"]) == {"sync", "overlap", COMM_ONLY, COMPUTE_ONLY}
@@ -265,3 +366,31 @@ def test_tiny_run_profiles_every_mode(tmp_path):
     assert (tmp_path / "timeline_overlap.png").stat().st_size > 0
     traces = sorted(path.name for path in (tmp_path / "profile_bauto").iterdir())
     assert traces == [f"trace_{name}_ws2.json" for name in sorted(["sync", "overlap", "comm", "compute"])]
+
+
+def test_emulated_link_is_torn_down_when_building_it_fails(monkeypatch):
+    """A failure after the namespaces exist (here: moving the veth end into its namespace) still
+    deletes both namespaces and the veth pair left in the root namespace; nothing runs for real."""
+    made, cleanup = [], []
+
+    def fake_ip(*args: str) -> None:
+        made.append(args)
+        if args[:2] == ("link", "set"):
+            raise RuntimeError("ip link set failed: no permission")
+
+    monkeypatch.setattr(netns, "_ip", fake_ip)
+    monkeypatch.setattr(netns.subprocess, "run", lambda command, **kwargs: cleanup.append(command))
+    link = netns.LinkConfig(0.2, prefix="shopttest")
+    with pytest.raises(RuntimeError, match="no permission"), netns.shaped_link(link):
+        pass
+    assert ("netns", "add", "shopttest-ns0") in made and ("netns", "add", "shopttest-ns1") in made
+    assert ["ip", "netns", "delete", "shopttest-ns0"] in cleanup
+    assert ["ip", "netns", "delete", "shopttest-ns1"] in cleanup
+    assert ["ip", "link", "delete", "shopttest-v0"] in cleanup
+
+
+def test_sigterm_handler_lasts_only_as_long_as_the_run():
+    before = signal.getsignal(signal.SIGTERM)
+    with compare._stop_on_sigterm():
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before

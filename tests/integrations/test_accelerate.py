@@ -43,7 +43,7 @@ def _run(sharded: bool, epochs: range, save_to: str | None, load_from: str | Non
         "gradient_accumulation_steps": ACCUMULATION,
         "dataloader_config": DataLoaderConfiguration(split_batches=True),
     }
-    accelerator = ShardingStage1Accelerator(**kwargs) if sharded else Accelerator(**kwargs)
+    accelerator = ShardingStage1Accelerator(overlap=True, **kwargs) if sharded else Accelerator(**kwargs)
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(decay_groups(model), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / 10)

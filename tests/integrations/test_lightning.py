@@ -5,9 +5,10 @@ and no-decay groups) and a per-step scheduler, trained with ``accumulate_grad_ba
 ``gradient_clip_val`` (norm), epoch-end checkpoints, and a second fit from the first epoch's
 checkpoint (``fit(ckpt_path=...)``). The global grad norm is read in
 ``on_before_optimizer_step`` (``opt.grad_norm()``; torch's ``get_total_norm`` on one process).
-On 2 ranks with ``strategy="zero1"`` and on one process with Lightning's default strategy over the
-same global batch: Lightning's default training sampler shuffles, so ``use_distributed_sampler
-=False`` and each rank's loader holds its half of every global batch, in order.
+On 2 ranks with ``ShardingStage1Strategy(overlap=True)`` and on one process with Lightning's
+default strategy over the same global batch: Lightning's default training sampler shuffles, so
+``use_distributed_sampler=False`` and each rank's loader holds its half of every global batch,
+in order.
 """
 
 from __future__ import annotations
@@ -78,13 +79,13 @@ def _loader() -> torch.utils.data.DataLoader:
 def _fit(sharded: bool, folder: str, ckpt_path: str | None):
     import lightning.pytorch as pl
 
-    import sharded_opt.integrations.lightning  # noqa: F401  (registers strategy="zero1")
+    from sharded_opt.integrations.lightning import ShardingStage1Strategy
 
     module = _module()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=dist.get_world_size(),
-        strategy="zero1" if sharded else "auto",
+        strategy=ShardingStage1Strategy(overlap=True) if sharded else "auto",
         max_epochs=EPOCHS,
         accumulate_grad_batches=ACCUMULATION,
         gradient_clip_val=MAX_NORM,

@@ -73,6 +73,8 @@ def _trainer(sharded: bool, output_dir: str, optimizers=None):
     cls = ShardingStage1Trainer if sharded else Trainer
     model = tiny_gpt2()
     extra = {} if optimizers is None else {"optimizers": optimizers(model)}
+    if sharded:
+        extra["overlap"] = True  # the adapters default to sync, as the wrapper does
     return cls(model=model, args=_arguments(output_dir, world_size), train_dataset=_Tokens(), **extra)
 
 
