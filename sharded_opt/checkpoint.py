@@ -42,7 +42,6 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from sharded_opt.checkpoint_pieces import ParamPiece, PieceLoadPlanner, PieceSavePlanner
-from sharded_opt.collective_guard import check_all_ranks_enter
 from sharded_opt.inner_optimizer import load_param_states, param_states
 from sharded_opt.state_dict import describe_param_states, local_pieces
 from sharded_opt.validation import closed_error
@@ -149,7 +148,7 @@ def _check_all_ranks_enter(function: str, optimizer: ShardingStage1) -> None:
     if optimizer.closed:
         raise RuntimeError(closed_error(function))
     fix = f"Call {function}(path, model, opt) on every rank; each rank reads or writes its own shard"
-    check_all_ranks_enter(function, fix, optimizer.process_group, optimizer.collective_entry_timeout_s)
+    optimizer.entry_guard.check(function, fix)
 
 
 def _model_entries(model: nn.Module) -> dict[str, Tensor]:

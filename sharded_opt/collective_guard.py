@@ -23,11 +23,19 @@ Note [Collectives entered by some ranks]
     evaluation, before it joins). Not the store's own timeout: ``init_parallel_env`` gives the
     store a longer one for the rendezvous (Note [Rendezvous apart from collectives] in
     ``launcher``). ``ShardingConfig.collective_entry_timeout_s`` shortens it.
+
+    The counters belong to the group, and a wrapper's groups outlive it in the pool (Note
+    [Reusing a dropped wrapper's groups] in ``communicator_pool``). Once the check failed, the
+    ranks' counters stay apart, and every guarded call of the next wrapper on those groups would
+    pair with the wrong call of another rank. So :class:`EntryGuard`, the check a wrapper runs,
+    tells the wrapper to withhold its groups from the pool when the check fails.
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Store
@@ -79,6 +87,24 @@ def check_all_ranks_enter(api: str, fix: str, group: ProcessGroup, timeout_s: fl
         f"(this is call {call} on rank {rank}). {fix}. If a rank is only slow to get there, "
         "raise Strategy(sharding=ShardingConfig(collective_entry_timeout_s=...))"
     )
+
+
+@dataclass(frozen=True)
+class EntryGuard:
+    """The check of Note [Collectives entered by some ranks] for one wrapper: its group, its
+    timeout, and what to do when the ranks' counters are left apart (withhold the groups)."""
+
+    group: ProcessGroup
+    timeout_s: float | None
+    on_counters_apart: Callable[[], None]
+
+    def check(self, api: str, fix: str) -> None:
+        """:func:`check_all_ranks_enter` on the wrapper's group."""
+        try:
+            check_all_ranks_enter(api, fix, self.group, self.timeout_s)
+        except RuntimeError:
+            self.on_counters_apart()
+            raise
 
 
 def _group_store(group: ProcessGroup) -> Store:

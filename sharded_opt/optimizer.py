@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from sharded_opt.bucket_comm import BucketCommunicator
+from sharded_opt.collective_guard import EntryGuard
 from sharded_opt.grad_clipping import GradClipping
 from sharded_opt.grad_sync import GradSync
 from sharded_opt.hybrid_groups import lease_shard_groups
@@ -142,7 +143,9 @@ class ShardingStage1(torch.optim.Optimizer):
         self._param_guard = ParamGuard(self.shards.buffers, self._param_sync)
         self._clipping = GradClipping(self.grad_sync, self.shards.comm, self._param_guard)
         self._pipeline = StepPipeline(self.shards, self.grad_sync, self._param_sync, needs.state_per_param)
-        self._state_dicts = StateDictExchange(self.shards, self._param_sync, self.collective_entry_timeout_s)
+        # A failed check leaves the ranks' call counters on the groups apart: never reused.
+        self.entry_guard = EntryGuard(group, self.collective_entry_timeout_s, self._lease.withhold)
+        self._state_dicts = StateDictExchange(self.shards, self._param_sync, self.entry_guard)
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
         self.state = ShardedStateView()  # type: ignore[assignment]  # Note [No per-param state]
         # The wrapper's groups *are* the wrapped optimizer's group dicts, so a scheduler built on

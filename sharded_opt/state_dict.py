@@ -32,7 +32,7 @@ from torch import Tensor
 
 from fusion.buffers import flatten_to_slot, view_slot
 from fusion.layout import ParamSlot, ShardPiece
-from sharded_opt.collective_guard import check_all_ranks_enter
+from sharded_opt.collective_guard import EntryGuard
 from sharded_opt.inner_optimizer import (
     ParamState,
     constructor_kwargs,
@@ -339,12 +339,10 @@ class StateDictExchange:
         entry_timeout_s: how long to wait for every rank to call; None: the group's own timeout.
     """
 
-    def __init__(
-        self, shards: OptimizerShards, params_ready: ParamWaiter, entry_timeout_s: float | None
-    ) -> None:
+    def __init__(self, shards: OptimizerShards, params_ready: ParamWaiter, entry_guard: EntryGuard) -> None:
         self._shards = shards
         self._params_ready = params_ready
-        self._entry_timeout_s = entry_timeout_s
+        self._entry_guard = entry_guard
         self._consolidated: _Consolidated | None = None
 
     def discard_consolidated(self) -> None:
@@ -414,9 +412,7 @@ class StateDictExchange:
         return {"state": consolidated.state, "param_groups": indexed_groups(self._shards.param_groups)}
 
     def _check_all_ranks_enter(self, method: str, fix: str) -> None:
-        check_all_ranks_enter(
-            f"ShardingStage1.{method}", fix, self._shards.process_group, self._entry_timeout_s
-        )
+        self._entry_guard.check(f"ShardingStage1.{method}", fix)
 
 
 @dataclasses.dataclass(frozen=True)
