@@ -339,9 +339,10 @@ def test_six_ranks_as_3x2_match_plain_torch_and_sync_equals_overlap() -> None:
     for rank, (sync, overlap) in enumerate(result["programs"] for result in per_rank):
         for result in (sync, overlap):
             _assert_params_close(result["sharded"], result["plain"], FP32_TOLERANCE, f"rank {rank}")
-            for index, entry in result["plain_state"]["state"].items():
-                for key, value in entry.items():
-                    torch.testing.assert_close(result["sharded_state"]["state"][index][key], value)
+            for plain, sharded in zip(result["plain_state"], result["sharded_state"], strict=True):
+                for index, entry in plain["state"].items():
+                    for key, value in entry.items():
+                        torch.testing.assert_close(sharded["state"][index][key], value)
         first = per_rank[0]["programs"][0]["sharded"]
         for a, b, c in zip(sync["sharded"], overlap["sharded"], first, strict=True):
             assert torch.equal(a, b) and torch.equal(a, c), f"rank {rank}"
