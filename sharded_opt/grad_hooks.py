@@ -59,7 +59,12 @@ Note [Grads written after backward]
     wrapper refuses to reduce or step grads whose buffer version has moved since, naming the
     sharded replacements. The wrapper's own writes (adopting a grad, zeroing) record the version
     again; assigning ``param.grad = g`` replaces the tensor rather than writing the buffer and
-    is adopted as usual.
+    is adopted as usual. A bucket that stages its grads (Note [Staged grads] in
+    ``fusion.layout``) keeps autograd's own tensors and has no hooks, so nothing tells when
+    backward last wrote them: a write to them is not refused (torch's local
+    ``clip_grad_norm_`` over a model whose grads all stage, bf16 scalars say, clips each rank by
+    its local norm). Known gap; the fuzzer expects the refusal only where a viewed grad is
+    written.
 
 Note [Grads written at the end of backward]
     A data-parallel wrapper around the model writes the grads at the end of backward: DDP's
