@@ -217,6 +217,13 @@ def amp_scaling_arguments(
     found_inf = getattr(optimizer, "found_inf", None)
     if found_inf is None:
         return None, None
+    if not isinstance(found_inf, torch.Tensor):
+        # GradScaler.step sums the flags that unscale_ recorded; with none at all (no param had
+        # a grad on any rank: the flags are agreed, the same everywhere) the sum is the int 0.
+        # torch asserts on this optimizer's flags for a plain optimizer; so does this, on every
+        # rank, and the attributes GradScaler.step would remove after step() go now.
+        del optimizer.found_inf, optimizer.grad_scale
+        raise AssertionError("No inf checks were recorded for this optimizer.")
     if not getattr(optimizer, "_scaled_by_sharded_scaler", False):
         raise RuntimeError(
             "ShardingStage1.step: driven by a stock torch.amp.GradScaler, which checks this rank's "

@@ -360,6 +360,30 @@ CASES: dict[str, Program] = {
         empty_group=True,
         gates=96,
     ),
+    # Found: campaign of seed 235625820, 2 ranks, program 249 (shrunk). model.zero_grad() and no
+    # backward leave only the outside weight's grad, held by AdamW's wrapper: torch's scaler
+    # asserts "No inf checks were recorded" at Muon's step, but GradScaler.step hands an
+    # optimizer of the amp-scaling protocol the sum of no flags (the int 0) and Muon's wrapper
+    # stepped. The wrapper now raises torch's assertion there (amp_scaling_arguments).
+    "scaler_step_of_one_wrapper_without_grads": Program(
+        optimizer="muon_adamw",
+        steps=(
+            StepSpec(zero_grad="model"),
+            StepSpec(
+                frozen=("expert",),
+                expert_ranks="some",
+                zero_grad="model",
+                halve_lr=True,
+                clamp_after=True,
+                skip_backward=True,
+                freeze_before_step=("embed",),
+            ),
+        ),
+        bucket_size_mb=None,
+        attach_model=False,
+        scaler=True,
+        outside_weight=True,
+    ),
 }
 
 HYBRID_CASES: dict[str, Program] = {
