@@ -32,11 +32,11 @@ from sharded_opt import ShardingStage1, collectives, spawn
 def _variants(opt: ShardingStage1) -> dict[str, Callable[[], None]]:
     """Each variant issues its collective for every bucket, then waits for all of them."""
     group = opt.process_group
-    comm = opt.shards.comm
-    grads = [g for g in comm.buffers.grad_buffers if g is not None]
-    outputs = [shard.reduced_grad for shard in comm.live_shards()]
-    params = [comm.buffers.param_buffers[shard.bucket.index] for shard in comm.live_shards()]
-    own = [shard.param_view for shard in comm.live_shards()]
+    shards = opt.shards
+    grads = [g for g in shards.buffers.grad_buffers if g is not None]
+    outputs = [shard.reduced_grad for shard in shards.live_shards()]
+    params = [shards.buffers.param_buffers[shard.bucket.index] for shard in shards.live_shards()]
+    own = [shard.param_view for shard in shards.live_shards()]
     persistent = [torch.empty_like(grad) for grad in grads]
 
     def run(issue: Callable[[int], object]) -> Callable[[], None]:

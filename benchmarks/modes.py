@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.models import build_model, hidden_matrix_names
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, compile_backend
+from sharded_opt.bucket import finish_grad_syncs, start_param_syncs
 
 MODES = ("ddp", "zero", "sync", "overlap", "hybrid")
 """Measured modes, in the interleaving order A B C D E. ``hybrid`` (ShardingStage1 overlap with
@@ -198,16 +199,17 @@ class CommOnlyRunner(Runner):
     def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
         # Every wrapper's collectives (Muon's and AdamW's) in flight together, each wrapper on a
         # group of its own, as in a step. No public comm-only entry point yet.
-        comms = [(wrapper.shards.comm, wrapper.plan) for wrapper in self.wrappers]
-        for comm, plan in comms:
-            for bucket in plan.buckets:
-                comm.start_grad_sync(bucket.index)
-        for comm, _ in comms:
-            comm.finish_grad_sync()
-        for comm, plan in comms:
-            comm.start_param_sync(reversed(range(len(plan.buckets))))
-        for comm, _ in comms:
-            comm.finish_param_sync()
+        shards = [wrapper.shards for wrapper in self.wrappers]
+        for each in shards:
+            for bucket in each.buckets:
+                bucket.start_grad_sync()
+        for each in shards:
+            finish_grad_syncs(each.buckets, each.comm)
+        for each in shards:
+            start_param_syncs(each.buckets[::-1], each.comm)
+        for each in shards:
+            for bucket in each.buckets:
+                bucket.finish_param_sync()
         return torch.zeros(())
 
     def state_bytes(self) -> int:

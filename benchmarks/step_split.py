@@ -7,7 +7,7 @@ rest, measured on each rank's training thread inside the timed blocks of every m
   layout balances owners by). Under ``ShardingStage1`` it runs on each matrix's owner only, so
   it differs between ranks; under DDP every rank orthogonalizes every matrix.
 * **Communication**, ``ShardingStage1`` modes: the time in the wrappers' calls that issue or
-  wait for a collective (``BucketCommunicator``: each bucket's reduce-scatter and all-gather;
+  wait for a collective (``Bucket``: each bucket's reduce-scatter and all-gather;
   ``GradPresence``: the grad-presence flags' all-reduce), all made on the training thread: the
   waits are what communication added to the step that nothing hid, the rest the cost of
   issuing. The classes are instrumented before any runner is built, since a wrapper keeps a
@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from sharded_opt import grad_presence
-from sharded_opt.bucket_comm import BucketCommunicator
+from sharded_opt.bucket import Bucket
 from sharded_opt.optimizer_needs import newton_schulz_cost
 
 SPLIT_KEYS = ("comm_s", "newton_schulz_s", "newton_schulz_calls", "newton_schulz_work")
@@ -47,10 +47,10 @@ NEWTON_SCHULZ = "_zeropower_via_newtonschulz"
 """The function of ``torch.optim._muon`` that orthogonalizes one matrix."""
 
 COMM_METHODS: tuple[tuple[type, str], ...] = (
-    *((BucketCommunicator, name) for name in ("start_grad_sync", "finish_grad_sync")),
-    *((BucketCommunicator, name) for name in ("start_param_sync", "finish_param_sync")),
+    *((Bucket, name) for name in ("start_grad_sync", "finish_grad_sync")),
+    *((Bucket, name) for name in ("start_param_sync", "finish_param_sync")),
     (grad_presence.GradPresence, "start"),
-    (grad_presence._SharedFlags, "values"),  # the flags' wait; private, as the class
+    (grad_presence._FlagsAllReduce, "values"),  # the flags' wait; private, as the class
 )
 """Every call through which a wrapper issues or waits for a collective during training."""
 

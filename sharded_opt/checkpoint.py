@@ -162,7 +162,7 @@ def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ParamPiece]:
     }
     for group_index, group in enumerate(optimizer.param_groups):
         entries.update(_hyperparameter_entries(group_index, group))
-    local = param_states(optimizer.shards.inner, optimizer.shards.comm.live_shards())
+    local = param_states(optimizer.shards.inner, optimizer.shards.live_shards())
     descriptions = describe_param_states(optimizer.shards, local)
     per_param = _PerParamEntries(optimizer, writing=True)
     for index, description in descriptions.items():
@@ -175,7 +175,7 @@ def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ParamPiece]:
                     entries[name] = value
             else:
                 entries[name] = per_param.entry(index, local.get(index, {}).get(key), value)
-    for shard in optimizer.shards.comm.live_shards():
+    for shard in optimizer.shards.live_shards():
         master = shard.master
         if master is None:
             continue
@@ -204,10 +204,7 @@ class _LoadPlan:
             index, key = parsed
             if not 0 <= index < len(optimizer.shards.buffers.params):
                 raise ValueError(f"load_checkpoint: the checkpoint holds state for unknown param {index}")
-            if (
-                key is None
-                and not optimizer.shards.comm.precisions[optimizer.plan.slot(index).bucket_index].has_master
-            ):
+            if key is None and not optimizer.shards.bucket_of(index).precision.has_master:
                 continue  # saved with a master copy, loaded without one: the params are the truth
             dtype = meta.properties.dtype
             if len(meta.size) == 0 or name.startswith(_WHOLE_STATE + "."):
@@ -232,15 +229,15 @@ class _LoadPlan:
             else:
                 states.setdefault(index, {})[key] = value
         for index in states:
-            optimizer.shards.materialize(optimizer.plan.slot(index).bucket_index)
+            optimizer.shards.materialize(optimizer.shards.bucket_of(index))
         pieces = local_pieces(optimizer.shards)
         local_states = {index: state for index, state in states.items() if index in pieces}
         for group_index, group in enumerate(optimizer.param_groups):
             _restore_hyperparameters(group_index, group, loaded)
         shards = optimizer.shards
-        load_param_states(shards.inner, shards.comm.live_shards(), local_states, optimizer.param_groups)
+        load_param_states(shards.inner, shards.live_shards(), local_states, optimizer.param_groups)
         with torch.no_grad():
-            for shard in optimizer.shards.comm.live_shards():
+            for shard in optimizer.shards.live_shards():
                 if shard.master is None:
                     continue
                 for piece in shard.pieces:

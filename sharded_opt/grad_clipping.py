@@ -10,8 +10,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from sharded_opt.bucket_comm import BucketCommunicator
 from sharded_opt.grad_sync import GradSync
+from sharded_opt.optimizer_shards import OptimizerShards
 from sharded_opt.param_guard import ParamGuard
 
 
@@ -25,14 +25,14 @@ class GradClipping:
     Args:
         grad_sync: reduces the grads now and is told of the writes into them (Note [Grads
             written after backward] in ``grad_hooks``).
-        comm: the shards' averaged grads, and the group that holds each element once.
+        shards: the shards' averaged grads, and the group that holds each element once.
         param_guard: takes back params replaced since wrapping before their grads are reduced,
             as ``step()`` does (Note [Params replaced after wrapping] in ``param_guard``).
     """
 
-    def __init__(self, grad_sync: GradSync, comm: BucketCommunicator, param_guard: ParamGuard) -> None:
+    def __init__(self, grad_sync: GradSync, shards: OptimizerShards, param_guard: ParamGuard) -> None:
         self._grad_sync = grad_sync
-        self._comm = comm
+        self._shards = shards
         self._param_guard = param_guard
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
@@ -45,7 +45,7 @@ class GradClipping:
                 "error_if_nonfinite=False to clip anyway (grads then become nan)"
             )
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in self._comm.local_grads():
+        for grad in self._shards.local_grads():
             grad.mul_(coefficient.to(grad.dtype))
         self._grad_sync.tracker.accept_grad_writes()
         return total
@@ -55,7 +55,7 @@ class GradClipping:
         norm_type = _check_norm_type("grad_norm", norm_type)
         self._param_guard.take_back_replaced()
         self._grad_sync.reduce_grads()
-        grads = self._comm.local_grads()
+        grads = self._shards.local_grads()
         dtype = _norm_dtype(grads)
         if norm_type == math.inf:
             local = torch.stack([g.abs().max().to(dtype) for g in grads]).max()
@@ -65,9 +65,10 @@ class GradClipping:
                 [torch.linalg.vector_norm(g, norm_type).to(dtype) ** norm_type for g in grads]
             ).sum()
             op = dist.ReduceOp.SUM
-        if self._comm.sharded:
+        comm = self._shards.comm
+        if comm.sharded:
             # Replicas hold equal shards after the replicate all-reduce: each element counts once.
-            dist.all_reduce(local, op=op, group=self._comm.group)
+            dist.all_reduce(local, op=op, group=comm.group)
         return local if norm_type == math.inf else local ** (1.0 / norm_type)
 
     def clip_grad_value_(self, clip_value: float) -> None:
@@ -75,7 +76,7 @@ class GradClipping:
         clip_value = float(clip_value)
         self._param_guard.take_back_replaced()
         self._grad_sync.reduce_grads()
-        for grad in self._comm.local_grads():
+        for grad in self._shards.local_grads():
             grad.clamp_(-clip_value, clip_value)
         self._grad_sync.tracker.accept_grad_writes()
 

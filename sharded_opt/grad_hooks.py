@@ -21,32 +21,7 @@ Note [Which params got a grad]
     backward). A frozen param is simply no longer expected. A backward may also run no hook at
     all (every other bucket stages its grads or is frozen): a grad it left on a param whose
     bucket has no grad buffer is seen when the presence flags are shared (Note [Frozen after
-    backward]).
-
-Note [Frozen after backward]
-    torch steps every param whose ``.grad`` is not None, whatever its ``requires_grad``: a layer
-    frozen between backward and ``step()`` (a callback that freezes on a schedule, a GAN loop
-    that freezes D right after its backward) is still stepped with the grad it holds, and so is
-    one frozen later whose grads were never set to None, even where only some ranks hold one
-    (an expert layer that ran on some ranks only). A bucket whose params all stopped requiring
-    grad therefore still takes part in the reduction where some rank holds a received grad in
-    it, or its shard would step with the grads of whichever iteration last reduced it. Whether
-    one does is a fact of each rank's own, so it is not decided here: such buckets are passed
-    over during backward, and ``step()`` reduces them after all the others, once the presence
-    flags every rank agreed on say that some rank holds a grad there (Note [Collectives from
-    agreed state] in ``grad_sync``). Before any reduction a frozen param's slot is settled: it
-    keeps a grad the param received and still holds, and is zeroed otherwise (it may hold a
-    grad that ``model.zero_grad()`` set to None since; averaged with another rank's present
-    grad, it put 13 % errors into the step).
-
-    A bucket frozen when wrapped has no grad buffer, so no hook sees a grad its params get: a
-    layer unfrozen for a backward that ran no hook of the wrapper (every other bucket staged
-    its grads) and frozen again before ``step()`` holds its grad in autograd's own tensor
-    (fuzz seed 60493: not stepped). When the flags are shared, such a held grad counts as
-    received (:meth:`GradReadyTracker.note_unseen_grad`); where the agreed flags show one on
-    some rank, every rank gives the bucket its grad buffer and shard, copying the held grads
-    in, before reducing it (:meth:`GradReadyTracker.take_frozen`). ``zero_grad()`` sets such
-    grads to None as torch does, so a discarded one is not stepped later.
+    backward] in ``bucket``).
 
 Note [Grads written after backward]
     ``param.grad`` holds this rank's local grad, and in overlap mode a bucket's reduction reads
@@ -140,31 +115,24 @@ from torch.utils.hooks import RemovableHandle
 
 from fusion.buffers import FlatBuffers
 from sharded_opt.backward_end import BackwardEnd
+from sharded_opt.bucket import Bucket
 from sharded_opt.validation import DROP_DDP
-from sharded_opt.weak_hooks import CopiesAsInert, remove_handles
+from sharded_opt.weak_hooks import CopiesAsInert, register_accumulate_hook, remove_handles, retire_hooks
 
 _requires_grad = operator.attrgetter("requires_grad")
 
 
 class ShardMaterializer(Protocol):
-    """Gives a bucket its grad buffer and local shard (idempotent); asked when a param of a
-    bucket that has none starts to require grad."""
+    """Gives a bucket its grad buffer and local shard, and the inner optimizer the shard's
+    pieces (idempotent); asked when a param of a bucket that has none starts to require grad."""
 
-    def materialize(self, bucket_index: int) -> None: ...
-
-
-class GradStreamRecorder(Protocol):
-    """Remembers the current stream as one that accumulated grads of a bucket, so the bucket's
-    reduction can wait for every stream that wrote its grads (accelerators only, see Note
-    [Streams and events])."""
-
-    def note_grad_stream(self, bucket_index: int) -> None: ...
+    def materialize(self, bucket: Bucket) -> None: ...
 
 
 class GradSyncLauncher(Protocol):
     """What overlap mode's hooks drive: the start of each bucket's reduction."""
 
-    def start_bucket_grad_sync(self, bucket_index: int) -> None:
+    def start_bucket_grad_sync(self, bucket: Bucket) -> None:
         """Issue one bucket's reduction; called once per taking-part bucket per iteration, in
         bucket order."""
 
@@ -179,44 +147,47 @@ class GradSyncLauncher(Protocol):
 
 class GradReadyTracker:
     """Records which params got a grad and, given a ``launcher``, launches bucket reductions in
-    bucket order as their grads complete.
+    bucket order as their grads complete. What it records per bucket (expected and counted
+    grads, the grad buffer's version, frozen params) lives on the :class:`Bucket` its hooks hold;
+    the tracker keeps the per-param record and the launch order.
 
     Args:
         buffers: the flat buffers whose params get hooks.
+        buckets: the wrapper's buckets, in bucket order.
         shards: gives a bucket its grad buffer and local shard when a param of a bucket that has
             none starts to require grad.
         launcher: the grad-sync side that issues the reductions (overlap mode). None (sync
             mode): only record grads.
-        grad_streams: told the bucket index from every hook that accumulated a grad (no_sync
-            included); None on CPU and in sync mode. See Note [Streams and events].
+        note_streams: tell each bucket the stream of every hook that accumulated a grad into it
+            (no_sync included): overlap mode on an accelerator. See Note [Streams and events].
     """
 
     def __init__(
         self,
         buffers: FlatBuffers,
+        buckets: list[Bucket],
         shards: ShardMaterializer,
         launcher: GradSyncLauncher | None = None,
-        grad_streams: GradStreamRecorder | None = None,
+        *,
+        note_streams: bool = False,
     ) -> None:
         self._buffers = buffers
+        self._buckets = buckets
         self._shards = shards
         self._launcher = launcher
-        self._grad_streams = grad_streams
-        self._buckets = buffers.plan.buckets
-        self._staged = [bucket.staged_grads for bucket in self._buckets]
-        self.stages_any = any(self._staged)
+        self._note_streams = note_streams
+        self.stages_any = any(bucket.staged for bucket in buckets)
         """Some bucket stages its grads (Note [Staged grads] in ``fusion.layout``): its reduction,
         and the sharing of the last presence flags, wait for ``step()``."""
         num_params = len(buffers.params)
-        self._bucket_of = [-1] * num_params
-        for bucket in self._buckets:
-            for slot in bucket.slots:
-                self._bucket_of[slot.param_index] = bucket.index
+        bucket_of: list[Bucket | None] = [None] * num_params
+        for bucket in buckets:
+            for index in bucket.param_indices():
+                bucket_of[index] = bucket
+        self._bucket_of = bucket_of
         self.received = bytearray(num_params)
         """Per param, 1 if a grad reached it since grads were last set to none."""
         self._hooked = bytearray(num_params)
-        self._expected = [0] * len(self._buckets)
-        self._to_count = [0] * len(self._buckets)
         self.accumulate_only = False
         """True inside ``no_sync()``: grads accumulate in the buffers and nothing is launched."""
         self.handles: list[RemovableHandle] = []
@@ -225,7 +196,7 @@ class GradReadyTracker:
         self._requires_grad_at_scan: bytes | None = None
         self._iteration = 0
         self._backward_end = BackwardEnd(self._end_of_backward)
-        _retire_older_hooks(self._laid_out_params)
+        retire_hooks(self._laid_out_params, _AccumulateGradHook)
         self.scan()
         self.reset()
 
@@ -236,15 +207,17 @@ class GradReadyTracker:
     def reset(self) -> None:
         """Start a new iteration: no grad counted, no bucket launched, requires_grad re-read at
         the next hook."""
-        self._counts = [0] * len(self._buckets)
+        for bucket in self._buckets:
+            bucket.count = 0
+            bucket.grad_version = None
         self._counted = bytearray(len(self._buffers.params))
         self._next_to_launch = 0
+        """The position in bucket order of the next bucket to launch."""
         self._scanned = False
         self._counted_any = False
         self._flushed_at_end = False
         self._in_backward = False  # a backward that raised never ran its end
         self._iteration += 1
-        self._grad_versions: list[int | None] = [None] * len(self._buckets)
 
     def clear_received(self) -> None:
         """Grads were set to none: no param has one now."""
@@ -267,49 +240,46 @@ class GradReadyTracker:
         requires_grad = bytes(map(_requires_grad, self._laid_out_params))
         if requires_grad == self._requires_grad_at_scan:
             return
-        params = self._buffers.params
-        expected = [0] * len(self._buckets)
-        with_grads = {b for b, buffer in enumerate(self._buffers.grad_buffers) if buffer is not None}
+        params, views = self._buffers.params, self._buffers.grad_views
+        bucket_of = self._bucket_of
+        expected = dict.fromkeys(self._buckets, 0)
         for index in self._buffers.laid_out_indices:
-            bucket_index = self._bucket_of[index]
             if params[index].requires_grad:
-                expected[bucket_index] += 1
-                with_grads.add(bucket_index)
+                expected[bucket_of[index]] += 1
+        with_grads = {b for b in self._buckets if b.grad_buffer is not None or expected[b]}
         to_hook = []
         for index in self._buffers.laid_out_indices:
-            param = params[index]
-            bucket_index = self._bucket_of[index]
-            if self._staged[bucket_index]:
-                if expected[bucket_index]:
-                    self._shards.materialize(bucket_index)  # no hook: grads are read at step()
-            elif not self._hooked[index] and bucket_index in with_grads:
+            param, bucket = params[index], bucket_of[index]
+            if bucket.staged:
+                if expected[bucket]:
+                    self._shards.materialize(bucket)  # no hook: grads are read at step()
+            elif not self._hooked[index] and bucket in with_grads:
                 # Every param whose grad is (or is about to be) a buffer view gets its hook now,
                 # frozen ones too: unfrozen later, its grad may accumulate into its view before
                 # the first hook of that backward scans again, and would go unrecorded (a layer
                 # unfrozen while every later layer is frozen or staged). Read before any hook is
                 # added: giving a bucket its grad buffer points every param of it at its view,
                 # so a grad that arrived before the hook would look like the view's own.
-                arrived = param.grad is not None and param.grad is not self._buffers.grad_views[index]
-                to_hook.append((index, bucket_index, param, arrived))
-        for index, bucket_index, param, arrived in to_hook:
-            self._hook(index, bucket_index, param, arrived)
-        self._expected = expected
-        self._to_count = [0 if staged else n for staged, n in zip(self._staged, expected, strict=True)]
+                arrived = param.grad is not None and param.grad is not views[index]
+                to_hook.append((index, bucket, param, arrived))
+        for index, bucket, param, arrived in to_hook:
+            self._hook(index, bucket, param, arrived)
+        for bucket in self._buckets:
+            bucket.expected = expected[bucket]
+            bucket.to_count = 0 if bucket.staged else bucket.expected
+            bucket.frozen = []
         self._requires_grad_at_scan = requires_grad
-        frozen_in: list[list[int]] = [[] for _ in self._buckets]
         for index in self._buffers.laid_out_indices:
-            bucket_index = self._bucket_of[index]
-            if self._staged[bucket_index]:
+            bucket = bucket_of[index]
+            if bucket.staged:
                 continue  # staging copies every grad held, frozen or not
-            if not params[index].requires_grad and self._buffers.grad_buffers[bucket_index] is not None:
-                frozen_in[bucket_index].append(index)
-        self._frozen_in = frozen_in
-        """Per bucket with a grad buffer and views, its params that do not require grad now."""
+            if not params[index].requires_grad and bucket.grad_buffer is not None:
+                bucket.frozen.append(index)
 
-    def _hook(self, index: int, bucket_index: int, param: Tensor, arrived_before_hook: bool) -> None:
-        self._shards.materialize(bucket_index)
-        hook = _AccumulateGradHook(self, index, bucket_index)
-        self.handles.append(_register_accumulate_hook(param, hook))
+    def _hook(self, index: int, bucket: Bucket, param: Tensor, arrived_before_hook: bool) -> None:
+        self._shards.materialize(bucket)
+        hook = _AccumulateGradHook(self, index, bucket)
+        self.handles.append(register_accumulate_hook(param, hook))
         self._hooked[index] = 1
         if arrived_before_hook:
             # Not counted: the grad may be from this backward or older; if this backward still
@@ -318,24 +288,18 @@ class GradReadyTracker:
             self._buffers.adopt_grad(index)
             self.received[index] = 1
 
-    def takes_part(self, bucket_index: int) -> bool:
-        """Whether the bucket has a param that requires grad (as of the last scan): the same on
-        every rank, see Note [Collectives from agreed state] in ``grad_sync``."""
-        return self._expected[bucket_index] > 0
-
-    def frozen_buckets(self) -> list[int]:
+    def frozen_buckets(self) -> list[Bucket]:
         """Buckets whose params are all frozen now (as of the last scan), with a grad buffer or
         not: they take part only where some rank holds a grad in them, decided from the agreed
-        presence flags; see Note [Frozen after backward]."""
-        return [b for b, expected in enumerate(self._expected) if expected == 0]
+        presence flags; see Note [Frozen after backward] in ``bucket``."""
+        return [bucket for bucket in self._buckets if not bucket.takes_part()]
 
-    def note_unseen_grad(self, bucket_index: int, param_index: int) -> bool:
+    def note_unseen_grad(self, bucket: Bucket, param_index: int) -> bool:
         """Record as received, and return whether, the param holds a grad no hook could see:
         its bucket has no grad buffer (every param frozen when wrapped and at every scan since),
         yet a backward that ran no hook of this wrapper, or an assignment, gave it one. torch
-        steps it. See Note [Frozen after backward]."""
-        buffers = self._buffers
-        if buffers.grad_buffers[bucket_index] is not None or buffers.params[param_index].grad is None:
+        steps it. See Note [Frozen after backward] in ``bucket``."""
+        if bucket.grad_buffer is not None or self._buffers.params[param_index].grad is None:
             return False
         self.received[param_index] = 1
         return True
@@ -367,24 +331,23 @@ class GradReadyTracker:
         written = self.grads_written_since_backward()
         if written:
             raise RuntimeError(
-                f"ShardingStage1: the grads of buckets {written[:8]} were written at the end of "
-                "backward, after they were accumulated: a DistributedDataParallel (or FSDP) wrapper "
-                "around the model does this (the accelerator of Hugging Face Trainer, Accelerate and "
-                "Lightning adds one after the optimizer was built: use the adapters of "
+                f"ShardingStage1: the grads of buckets {[b.index for b in written[:8]]} were written at "
+                "the end of backward, after they were accumulated: a DistributedDataParallel (or FSDP) "
+                "wrapper around the model does this (the accelerator of Hugging Face Trainer, Accelerate "
+                "and Lightning adds one after the optimizer was built: use the adapters of "
                 f"sharded_opt.integrations). It averages the grads a second time. {DROP_DDP}"
             )
 
-    def _count(self, param_index: int, bucket_index: int) -> None:
+    def _count(self, param_index: int, bucket: Bucket) -> None:
         """Overlap mode, outside ``no_sync()``: count the grad and launch what is ready, see
         Note [Launching reductions during backward]."""
-        if self._counted[param_index] or bucket_index < self._next_to_launch:
+        if self._counted[param_index] or bucket.index < self._next_to_launch:
             self._restart()
         self._counted[param_index] = 1
         self._counted_any = True
-        counts = self._counts
-        counts[bucket_index] += 1
+        bucket.count += 1
         # Only a bucket that just completed can extend the launched prefix.
-        if counts[bucket_index] >= self._to_count[bucket_index]:
+        if bucket.count >= bucket.to_count:
             self._launch_ready()
 
     def _restart(self) -> None:
@@ -395,45 +358,42 @@ class GradReadyTracker:
         self._in_backward = True  # and this backward's end is queued
 
     def _launch_ready(self) -> None:
-        while (
-            self._next_to_launch < len(self._buckets)
-            and self._counts[self._next_to_launch] >= self._to_count[self._next_to_launch]
-        ):
-            self._launch(self._next_to_launch)
+        buckets = self._buckets
+        while self._next_to_launch < len(buckets):
+            bucket = buckets[self._next_to_launch]
+            if bucket.count < bucket.to_count:
+                return
+            self._launch(bucket)
 
-    def _launch(self, bucket_index: int) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         """Launch one bucket in order; a bucket that stages its grads is passed over here and
         launched by ``step()`` after staging, and so are the last presence flags."""
-        if self.takes_part(bucket_index) and not self._staged[bucket_index]:
-            self.settle_frozen(bucket_index)
-            self._launcher.start_bucket_grad_sync(bucket_index)
-        self._next_to_launch = bucket_index + 1
+        if bucket.takes_part() and not bucket.staged:
+            bucket.settle_frozen(self.received)
+            self._launcher.start_bucket_grad_sync(bucket)
+        self._next_to_launch = bucket.index + 1
         if self._next_to_launch == len(self._buckets) and not self.stages_any:
             self._launcher.all_buckets_launched()
 
-    def staged_buckets(self) -> list[int]:
+    def staged_buckets(self) -> list[Bucket]:
         """The buckets that stage their grads and take part (as of the last scan), in order."""
-        return [b for b, staged in enumerate(self._staged) if staged and self.takes_part(b)]
+        return [bucket for bucket in self._buckets if bucket.staged and bucket.takes_part()]
 
     def stage_grads(self) -> None:
         """Copy the grads of every bucket that stages them into its grad buffer and record which
         params hold one: for them ``received`` is ``param.grad is not None``, read now (Note
         [Staged grads] in ``fusion.layout``)."""
-        received = self.received
         for bucket in self._buckets:
-            if not bucket.staged_grads or self._buffers.grad_buffers[bucket.index] is None:
-                continue
-            present = self._buffers.stage_grads(bucket.index)
-            for slot, has_grad in zip(bucket.slots, present, strict=True):
-                received[slot.param_index] = has_grad
+            if bucket.staged and bucket.grad_buffer is not None:
+                bucket.stage_grads(self.received)
 
     def adopt_all(self) -> None:
         """Re-point every grad of a param that requires grad into its buffer (sync mode, before
         the reduction), see Note [Which params got a grad]."""
         self.scan()
         for bucket in self._buckets:
-            if self.takes_part(bucket.index):
-                self.adopt_uncounted(bucket.index)
+            if bucket.takes_part():
+                self.adopt_uncounted(bucket)
 
     def flush(self) -> None:
         """Launch every bucket not launched yet, in order, with missing grads as zeros."""
@@ -441,109 +401,59 @@ class GradReadyTracker:
             return
         if not self._scanned:
             self.scan()
-        for bucket_index in range(self._next_to_launch, len(self._buckets)):
-            if self.takes_part(bucket_index):
-                self._adopt_uncounted_trainable(bucket_index)  # _launch settles the frozen ones
-            self._launch(bucket_index)
+        for bucket in self._buckets[self._next_to_launch :]:
+            if bucket.takes_part():
+                bucket.adopt_uncounted(self._counted, self.received)  # _launch settles the frozen
+            self._launch(bucket)
 
     def accept_grad_writes(self) -> None:
         """The wrapper itself wrote the grad buffers (an in-place reduction, clipping or unscaling
         of grads that are the buffers): their current versions are the expected ones."""
-        for bucket_index, version in enumerate(self._grad_versions):
-            if version is not None:
-                self._grad_versions[bucket_index] = self._buffers.grad_buffers[bucket_index]._version
+        for bucket in self._buckets:
+            bucket.accept_grad_writes()
 
-    def grads_written_since_backward(self) -> list[int]:
+    def grads_written_since_backward(self) -> list[Bucket]:
         """Buckets whose grad buffer was written after backward last accumulated into it, see
         Note [Grads written after backward]."""
-        written = []
-        for bucket_index, version in enumerate(self._grad_versions):
-            if version is not None and self._buffers.grad_buffers[bucket_index]._version != version:
-                written.append(bucket_index)
-        return written
+        return [bucket for bucket in self._buckets if bucket.grads_written()]
 
-    def adopt_uncounted(self, bucket_index: int) -> None:
+    def adopt_uncounted(self, bucket: Bucket) -> None:
         """Make the bucket's grad buffer hold exactly this rank's grads before its reduction: a
         grad that backward did not count is adopted (an assigned one, or None as zeros), and the
-        frozen params are settled (:meth:`settle_frozen`)."""
-        self._adopt_uncounted_trainable(bucket_index)
-        self.settle_frozen(bucket_index)
+        frozen params are settled (``Bucket.settle_frozen``)."""
+        bucket.adopt_uncounted(self._counted, self.received)
+        bucket.settle_frozen(self.received)
 
-    def _adopt_uncounted_trainable(self, bucket_index: int) -> None:
-        if self._staged[bucket_index]:
-            return  # see stage_grads
-        params, buffers = self._buffers.params, self._buffers
-        for slot in self._buckets[bucket_index].slots:
-            index = slot.param_index
-            if self._counted[index] or not params[index].requires_grad:
-                continue
-            had_grad = params[index].grad is not None
-            if buffers.adopt_grad(index):  # None (no grad) or an assigned tensor (a grad)
-                self.received[index] = had_grad
-                self._grad_versions[bucket_index] = buffers.grad_buffers[bucket_index]._version
-
-    def take_frozen(self, bucket_index: int) -> None:
+    def take_frozen(self, bucket: Bucket) -> None:
         """Before the reduction of a bucket whose params are all frozen, which the agreed flags
         say some rank holds a grad in: give it its grad buffer and shard if it has none (on
         every rank alike, the flags are agreed), its hooks and its grads, then settle it."""
-        if self._buffers.grad_buffers[bucket_index] is None:
-            self._shards.materialize(bucket_index)  # copies in the grads params hold
+        if bucket.grad_buffer is None:
+            self._shards.materialize(bucket)  # copies in the grads params hold
             self._requires_grad_at_scan = None  # hook its params, list them as frozen
             self.scan()
-            if self._staged[bucket_index]:
-                present = self._buffers.stage_grads(bucket_index)
-                for slot, has_grad in zip(self._buckets[bucket_index].slots, present, strict=True):
-                    self.received[slot.param_index] = has_grad
-        self.settle_frozen(bucket_index)
-
-    def settle_frozen(self, bucket_index: int) -> None:
-        """Before the bucket's reduction: a frozen param keeps a grad it received and still holds
-        (Note [Frozen after backward]); any other frozen param's slot is zeroed, its ``.grad``
-        left as it is. Its slot may still hold a grad that ``model.zero_grad()`` set to None
-        since, which would otherwise be averaged with another rank's present grad."""
-        frozen = self._frozen_in[bucket_index]
-        if not frozen:
-            return
-        params, buffers = self._buffers.params, self._buffers
-        for index in frozen:
-            if self.received[index] and params[index].grad is not None:
-                buffers.adopt_grad(index)
-            else:
-                buffers.zero_grad_view(index)
-        self._grad_versions[bucket_index] = buffers.grad_buffers[bucket_index]._version
-
-
-def _register_accumulate_hook(param: Tensor, hook: _AccumulateGradHook) -> RemovableHandle:
-    """``param``'s post-accumulate-grad hook, frozen params included (see :meth:`GradReadyTracker.scan`):
-    torch refuses to register one on a tensor that does not require grad, but keeps it on the
-    tensor, where the param's grad accumulator finds it once the param is unfrozen; so the flag
-    is set for the registration only (no torch function mode sees it)."""
-    if param.requires_grad:
-        return param.register_post_accumulate_grad_hook(hook)
-    with torch._C.DisableTorchFunction():
-        param.requires_grad_(True)
-        try:
-            return param.register_post_accumulate_grad_hook(hook)
-        finally:
-            param.requires_grad_(False)
+            if bucket.staged:
+                bucket.stage_grads(self.received)
+        bucket.settle_frozen(self.received)
 
 
 class _AccumulateGradHook(CopiesAsInert):
-    """The post-accumulate-grad hook of one param: records the grad for its tracker, see Note
-    [Hook cost]. Refers to the tracker weakly and does nothing once it is gone or once it is
-    retired (a newer tracker took the param, see :func:`_retire_older_hooks`); copies and
-    pickles are :class:`~sharded_opt.weak_hooks.InertHook` (Note [Hook lifetimes and copies])."""
+    """The post-accumulate-grad hook of one param: records the grad for its tracker and its
+    bucket, see Note [Hook cost]. Refers to the tracker weakly and does nothing once it is gone
+    or once it is retired (a newer tracker took the param, see :func:`~sharded_opt.weak_hooks.retire_hooks`);
+    copies and pickles are :class:`~sharded_opt.weak_hooks.InertHook` (Note [Hook lifetimes and
+    copies])."""
 
-    __slots__ = ("_tracker", "_index", "_bucket_index", "_grad_view", "_grad_address", "retired")
+    __slots__ = ("_tracker", "_index", "_bucket", "_grad_view", "_grad_address", "retired")
 
-    def __init__(self, tracker: GradReadyTracker, index: int, bucket_index: int) -> None:
+    def __init__(self, tracker: GradReadyTracker, index: int, bucket: Bucket) -> None:
         buffers = tracker._buffers
         grad_view = buffers.grad_views[index]
         if grad_view is None:
             raise RuntimeError(f"GradReadyTracker: param {index} is hooked before its bucket has grads")
         self._tracker = weakref.ref(tracker)
         self._index = index
-        self._bucket_index = bucket_index
+        self._bucket = bucket
         self._grad_view = grad_view
         self._grad_address = buffers.grad_addresses[index]
         self.retired = False
@@ -552,29 +462,16 @@ class _AccumulateGradHook(CopiesAsInert):
         tracker = self._tracker()
         if tracker is None or self.retired:
             return
-        index, bucket_index = self._index, self._bucket_index
+        index, bucket = self._index, self._bucket
         grad = param.grad
         if grad is not self._grad_view or grad.data_ptr() != self._grad_address:  # assigned, or moved
             tracker._buffers.adopt_grad(index)
         tracker.received[index] = 1
         # A view shares its bucket buffer's version counter, see Note [Grads written after backward].
-        tracker._grad_versions[bucket_index] = self._grad_view._version
-        if tracker._grad_streams is not None:
-            tracker._grad_streams.note_grad_stream(bucket_index)
+        bucket.grad_version = self._grad_view._version
+        if tracker._note_streams:
+            bucket.note_grad_stream()
         if not tracker._in_backward:
             tracker._begin_backward()
         if tracker._launcher is not None and not tracker.accumulate_only:
-            tracker._count(index, bucket_index)
-
-
-def _retire_older_hooks(params: list[Tensor]) -> None:
-    """Silence the hooks an older tracker (a previous wrapper still alive, not yet closed or
-    collected) left on ``params``: the params' grads now belong to the new tracker's buffers.
-    Ownership is decided here, once, and not by where ``param.data`` lives, so a param whose
-    data the user replaced (Note [Params replaced after wrapping] in ``sharded_opt/param_guard.py``)
-    keeps reporting its grads."""
-    for param in params:
-        hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
-        for hook in hooks.values():
-            if isinstance(hook, _AccumulateGradHook):
-                hook.retired = True
+            tracker._count(index, bucket)

@@ -29,31 +29,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed import ProcessGroup, Work
+from torch.distributed import Work
 
 from fusion.layout import BucketPlan
-from sharded_opt import collectives
-from sharded_opt.validation import new_communicator
-
-
-def presence_group(world: ProcessGroup, shard: ProcessGroup) -> ProcessGroup:
-    """The group the presence flags are all-reduced on, for a wrapper communicating on ``world``
-    and reducing its buckets on ``shard``: every rank of the wrapper, as a group of its own when
-    the bucket reductions run on the same ranks over gloo (collective when it creates one; see
-    Note [Presence per bucket])."""
-    on_gloo = collectives.backend_for_device(world, "cpu") == "gloo"
-    if not on_gloo or shard is not world or dist.get_world_size(world) == 1:
-        return world
-    ranks = dist.get_process_group_ranks(world)
-    return new_communicator(ranks, world, local=len(ranks) != dist.get_world_size())
+from sharded_opt.hybrid_groups import ShardGroups
 
 
 @dataclass(eq=False, slots=True)
-class _SharedFlags:
+class _FlagsAllReduce:
     """One all-reduce of the flags of one or more buckets' params, in slot order (none on a
     single rank: ``agreed`` is then the flags themselves)."""
 
@@ -69,48 +57,64 @@ class _SharedFlags:
         return self.agreed
 
 
+@dataclass(frozen=True, slots=True)
+class SharedFlags:
+    """One bucket's flags within an all-reduce of several buckets' (``Bucket.flags``)."""
+
+    all_reduce: _FlagsAllReduce
+    start: int
+    stop: int
+
+    def values(self) -> list[int]:
+        """The agreed flags, per slot of the bucket; waits for the all-reduce."""
+        return self.all_reduce.values()[self.start : self.stop]
+
+
+class FlagHolder(Protocol):
+    """A bucket as the flags see it (``sharded_opt.bucket.Bucket``): its slots, and where its
+    agreed flags go."""
+
+    plan: BucketPlan
+    flags: SharedFlags | None
+
+
 class GradPresence:
-    """Per bucket, the agreed "got a grad" flag of each of its params; see Note [Presence per
-    bucket].
+    """Shares each bucket's "got a grad" flags of its params and agrees on them over the group;
+    each bucket holds its own agreed flags (``Bucket.flags``). See Note [Presence per bucket].
 
     Args:
-        buckets: the layout's buckets.
-        group: the group to agree over; ``world_size == 1`` agrees with nobody.
+        buckets: the wrapper's buckets, in bucket order.
+        groups: the wrapper's groups; the flags are agreed over ``groups.presence``, with nobody
+            on a single rank.
         device: where the flags are reduced (CPU on gloo, so reading them needs no device sync).
         per_bucket: share each bucket's flags right before its reduction; else all of them once,
             after the last launch.
     """
 
     def __init__(
-        self,
-        buckets: Sequence[BucketPlan],
-        group: ProcessGroup,
-        world_size: int,
-        device: torch.device,
-        per_bucket: bool,
+        self, buckets: Sequence[FlagHolder], groups: ShardGroups, device: torch.device, per_bucket: bool
     ) -> None:
         self.per_bucket = per_bucket
         self._buckets = buckets
-        self.group = group
-        self._world_size = world_size
+        self.group = groups.presence
+        self._world_size = groups.world_size
         self._device = device
-        self._pending: dict[int, tuple[_SharedFlags, int]] = {}
-        """Per bucket whose flags were shared this iteration: the all-reduce and its offset."""
 
-    def start(self, bucket_indices: Sequence[int], flags: list[int]) -> None:
-        """Share ``flags``, one per slot of ``bucket_indices``' buckets in that order (1: the
-        slot's param got a grad on this rank), in one asynchronous all-reduce; every rank must
-        pass the same buckets in the same order."""
+    def start(self, buckets: Sequence[FlagHolder], flags: list[int]) -> None:
+        """Share ``flags``, one per slot of ``buckets`` in that order (1: the slot's param got a
+        grad on this rank), in one asynchronous all-reduce; every rank must pass the same buckets
+        in the same order."""
         if self._world_size == 1:
-            shared = _SharedFlags(None, None, flags)
+            shared = _FlagsAllReduce(None, None, flags)
         else:
             shared_flags = torch.tensor(flags, dtype=torch.uint8, device=self._device)
             work = dist.all_reduce(shared_flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            shared = _SharedFlags(shared_flags, work)
+            shared = _FlagsAllReduce(shared_flags, work)
         offset = 0
-        for bucket_index in bucket_indices:
-            self._pending[bucket_index] = (shared, offset)
-            offset += len(self._buckets[bucket_index].slots)
+        for bucket in buckets:
+            end = offset + len(bucket.plan.slots)
+            bucket.flags = SharedFlags(shared, offset, end)
+            offset = end
 
     def ranks_flagging(self, flag: bool) -> list[int]:
         """The global ranks whose ``flag`` is set, agreed now by every rank of the group (a
@@ -122,33 +126,13 @@ class GradPresence:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return [dist.get_global_rank(self.group, rank) for rank, set_ in enumerate(flags.tolist()) if set_]
 
-    def unshared(self) -> list[int]:
+    def unshared(self) -> list[FlagHolder]:
         """Buckets whose flags were not shared this iteration, in bucket order."""
-        return [bucket.index for bucket in self._buckets if bucket.index not in self._pending]
-
-    def agreed(self, bucket_index: int) -> list[int]:
-        """Per slot of the bucket (layout order), 1 if its param got a grad on some rank; waits
-        for the bucket's all-reduce.
-
-        Raises:
-            RuntimeError: the bucket's flags were not shared this iteration.
-        """
-        entry = self._pending.get(bucket_index)
-        if entry is None:
-            raise RuntimeError(
-                f"ShardingStage1: the grad presence flags of bucket {bucket_index} were never shared"
-            )
-        shared, offset = entry
-        return shared.values()[offset : offset + len(self._buckets[bucket_index].slots)]
-
-    def params_with_grads(self, bucket_index: int) -> set[int]:
-        """The param indices of the bucket's slots whose param got a grad on some rank (waits,
-        as :meth:`agreed` does)."""
-        slots = self._buckets[bucket_index].slots
-        return {slot.param_index for slot, flag in zip(slots, self.agreed(bucket_index), strict=True) if flag}
+        return [bucket for bucket in self._buckets if bucket.flags is None]
 
     def discard(self) -> None:
         """Wait for every flag all-reduce still running and forget them (a new iteration)."""
-        for shared, _ in self._pending.values():
-            shared.values()
-        self._pending = {}
+        for bucket in self._buckets:
+            if bucket.flags is not None:
+                bucket.flags.values()
+                bucket.flags = None

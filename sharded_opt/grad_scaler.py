@@ -71,8 +71,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
 def _any_param_has_grad(optimizer: ShardingStage1) -> bool:
     """Whether some param got a grad on some rank (the agreed presence flags: alike everywhere)."""
-    presence = optimizer.grad_sync.presence
-    return any(presence.params_with_grads(bucket.index) for bucket in optimizer.plan.buckets)
+    return any(bucket.params_with_grads() for bucket in optimizer.shards.buckets)
 
 
 def _refuse_fp16_steps(optimizer: ShardingStage1) -> None:
@@ -82,7 +81,7 @@ def _refuse_fp16_steps(optimizer: ShardingStage1) -> None:
     optimizers, so without this check it would train where plain torch refuses."""
     if any(group.get("fused") for group in optimizer.param_groups):
         return
-    if any(precision.master_dtype == torch.float16 for precision in optimizer.shards.comm.precisions):
+    if any(bucket.precision.master_dtype == torch.float16 for bucket in optimizer.shards.buckets):
         raise ValueError(
             "ShardedGradScaler: attempting to unscale FP16 gradients, which torch.amp.GradScaler "
             "refuses too (small grads would flush to zero). Keep an fp32 master copy: "

@@ -15,7 +15,7 @@ Note [Collectives from agreed state]
       requires grad, in bucket order; during backward as they complete, the rest at the end of
       backward (overlap) or all at ``step()`` (sync). Buckets whose params are all frozen now:
       after the others, where the agreed presence flags show a grad on some rank
-      (``GradSync._start_frozen_grad_sync``, Note [Frozen after backward] in ``grad_hooks``).
+      (``GradSync._start_frozen_grad_sync``, Note [Frozen after backward] in ``bucket``).
       This was a rank's own fact before ("this rank holds a grad in a frozen param") and hung
       2-4 ranks. Buckets that stage their grads (a fact of the layout, Note [Staged grads] in
       ``fusion.layout``) are reduced by ``step()`` in both modes, in bucket order after the ones
@@ -34,7 +34,7 @@ Note [Collectives from agreed state]
       on some ranks only (each steps other params), so a one-byte-per-rank all-reduce agrees on
       it first (Note [A step that raises on some ranks] in ``step_pipeline``).
     - The replica all-reduce of hybrid sharding: one after each bucket's reduce-scatter, issued
-      in bucket order (Note [Replica all-reduce order] in ``bucket_comm``).
+      in bucket order (Note [Replica all-reduce order] in ``comm_context``).
     - ``clip_grad_norm_`` (one norm all-reduce), the scaler (one found-inf all-reduce per
       ``unscale_``), ``state_dict``/checkpoints (collectives fixed by the layout and the world
       size; the collective guard raises when a rank did not call them): issued per call, and
@@ -46,33 +46,21 @@ Note [Collectives from agreed state]
 
     ``tests/differential.py`` runs its programs with torch's collective check (Note in its
     ``check_collectives_across_ranks``), so a rank that breaks this fails loudly in the tests.
-
-Note [A step without backward]
-    torch's ``step()`` reads ``param.grad``, and after a step those are the grads it stepped
-    with, averaged (by DDP), clipped, unscaled: a second ``step()`` with no backward in between
-    (an SAM-like loop, a retried step, a skipped iteration without ``zero_grad()``) steps again
-    with exactly them. Here ``param.grad`` holds the local grads and the averaged shard the
-    optimizer stepped sits in the shard's own tensors; reducing the local grads again would
-    drop a clip or an unscaling done on the shard (and on some world sizes round the mean anew).
-    So ``step()`` records the grad buffers' versions and which params' grads are the buffers'
-    views, and the next reduction (``step()``, ``clip_grad_norm_``, ``clip_grad_value_``, the
-    scaler's) reuses the shard's grads when nothing changed since: no backward accumulated
-    (it bumps the buffer's version), no ``zero_grad`` ran, no grad was assigned or set to None.
-    Only the presence flags are shared again, so params without a grad stay unstepped.
 """
 
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Iterator
 
 import torch
 
 from sharded_opt import collectives
+from sharded_opt.bucket import Bucket, finish_grad_syncs
 from sharded_opt.grad_hooks import GradReadyTracker
 from sharded_opt.grad_presence import GradPresence
 from sharded_opt.optimizer_shards import OptimizerShards
+from sharded_opt.step_grads import StepGrads
 from sharded_opt.validation import DROP_DDP
 
 
@@ -82,7 +70,8 @@ class GradSync:
 
     It owns the per-param grad hooks (:class:`GradReadyTracker`, which in overlap mode calls
     back :meth:`start_bucket_grad_sync` during backward) and the presence flags
-    (:class:`GradPresence`); the collectives themselves run in ``shards.comm``. Every decision
+    (:class:`GradPresence`); the collectives themselves are the buckets' own
+    (:class:`~sharded_opt.bucket.Bucket`). Every decision
     to issue one reads agreed state, see Note [Collectives from agreed state].
 
     Args:
@@ -91,35 +80,33 @@ class GradSync:
     """
 
     def __init__(self, shards: OptimizerShards, overlap: bool) -> None:
-        comm = shards.comm
+        comm, groups = shards.comm, shards.groups
         self.overlap = overlap
         self._shards = shards
         self._comm = comm
         self._buffers = shards.buffers
-        self._buckets = shards.plan.buckets
+        self._buckets = shards.buckets
         # A second backward reduces again only where the reduction left the grad buffers alone.
-        self._restartable = comm.sharded or shards.world_size == 1
+        self._restartable = comm.sharded or groups.world_size == 1
         self.tracker = GradReadyTracker(
             shards.buffers,
+            self._buckets,
             shards,
             self if overlap else None,
-            comm if overlap and comm.stream is not None else None,
+            note_streams=overlap and comm.stream is not None,
         )
-        flags_group = shards.groups.presence
         self.presence = GradPresence(
             self._buckets,
-            flags_group,
-            shards.world_size,
+            groups,
             _flag_device(shards),
-            per_bucket=shards.world_size > 1 and flags_group is shards.groups.world,
+            per_bucket=groups.world_size > 1 and groups.presence is groups.world,
         )
         self._local_presence = bytearray(len(shards.buffers.params))
         self._grads_reduced = False
-        self._grads_at_step: _GradsSnapshot | None = None
-        staged = [bucket for bucket in self._buckets if bucket.staged_grads]
-        self._staged_indices = [slot.param_index for bucket in staged for slot in bucket.slots]
+        staged = [i for bucket in self._buckets if bucket.staged for i in bucket.param_indices()]
+        self._grads_at_step = StepGrads(shards.buffers, staged)
         self._viewed_indices = [
-            slot.param_index for bucket in self._buckets if not bucket.staged_grads for slot in bucket.slots
+            i for bucket in self._buckets if not bucket.staged for i in bucket.param_indices()
         ]
 
     # -- the iteration -----------------------------------------------------------------------
@@ -130,13 +117,13 @@ class GradSync:
         self._check_grads_not_written()
         if self._grads_reduced:
             return
-        if self._grads_unchanged_since_step():
-            # Note [A step without backward]: step again with the grads the last step used.
+        if self._grads_at_step.unchanged():
+            # Note [A step without backward] in ``step_grads``: step again with the grads the last step used.
             self.all_buckets_launched()
             self._zero_absent_grads()
             self._grads_reduced = True
             return
-        self._grads_at_step = None
+        self._grads_at_step.forget()
         self._check_backward_finished()
         if self.overlap:
             if self.tracker.accumulate_only:
@@ -147,31 +134,31 @@ class GradSync:
                 )
             self.tracker.flush()
             self.tracker.stage_grads()
-            for bucket_index in self.tracker.staged_buckets():
-                self.start_bucket_grad_sync(bucket_index)
+            for bucket in self.tracker.staged_buckets():
+                self.start_bucket_grad_sync(bucket)
             if self.tracker.stages_any:
                 self.all_buckets_launched()
         else:
             self.tracker.adopt_all()
             self.tracker.stage_grads()
             for bucket in self._buckets:
-                if self.tracker.takes_part(bucket.index):
-                    self.start_bucket_grad_sync(bucket.index)
+                if bucket.takes_part():
+                    self.start_bucket_grad_sync(bucket)
             self.all_buckets_launched()
         self._start_frozen_grad_sync()
         self._check_grads_not_dropped()
 
-    def finish_grad_sync(self, bucket_indices: list[int]) -> None:
-        """Wait for the reductions of ``bucket_indices`` (the step pipeline, bucket by bucket)."""
+    def finish_grad_sync(self, buckets: list[Bucket]) -> None:
+        """Wait for the reductions of ``buckets`` (the step pipeline, bucket by bucket)."""
         if self._grads_reduced:
             return  # clip_grad_norm_ or the scaler finished (and maybe clipped) them already
-        self._comm.finish_grad_sync(bucket_indices)
+        finish_grad_syncs(self._buckets, self._comm, buckets)
 
     def reduce_grads(self) -> None:
         """Reduce every bucket's grads now (clipping and the scaler need all of them)."""
         self.start_grad_sync()
         if not self._grads_reduced:
-            self._comm.finish_grad_sync()
+            finish_grad_syncs(self._buckets, self._comm)
             self._zero_absent_grads()
             self._grads_reduced = True
             self.tracker.accept_grad_writes()
@@ -182,19 +169,19 @@ class GradSync:
         self.presence.discard()  # flags shared but not used when the step was skipped
 
     def record_step(self) -> None:
-        """The grads just stepped with; see Note [A step without backward]."""
-        self._grads_at_step = self._grads_snapshot()
+        """The grads just stepped with; see Note [A step without backward] in ``step_grads``."""
+        self._grads_at_step.record()
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Zero the grad buffers in place once no reduction reads them; see
         ``ShardingStage1.zero_grad``."""
-        self._comm.finish_grad_sync()
+        finish_grad_syncs(self._buckets, self._comm)
         if not set_to_none:
             # torch's zero_grad(set_to_none=False) leaves a None grad None (a layer whose grads
             # model.zero_grad() dropped): it stays without a grad, though its view is zeroed too.
             self.tracker.forget_none_grads()
         self._buffers.zero_grad(set_to_none)
-        self._grads_at_step = None
+        self._grads_at_step.forget()
         if set_to_none:
             self.tracker.clear_received()
         self.start_iteration()
@@ -214,12 +201,12 @@ class GradSync:
 
     # -- launching, as the tracker's GradSyncLauncher ------------------------------------------
 
-    def start_bucket_grad_sync(self, bucket_index: int) -> None:
+    def start_bucket_grad_sync(self, bucket: Bucket) -> None:
         """Share the bucket's presence flags (where they go per bucket), then issue its grad
         reduction; see Note [Presence per bucket] in ``grad_presence``."""
         if self.presence.per_bucket:
-            self._share_presence([bucket_index])
-        self._comm.start_grad_sync(bucket_index)
+            self._share_presence([bucket])
+        bucket.start_grad_sync()
 
     def all_buckets_launched(self) -> None:
         """Share the presence flags not shared yet: of the buckets that took no part in this
@@ -244,64 +231,33 @@ class GradSync:
                 "reduced again without the clipping. Clip (or unscale) after the last backward, right "
                 "before step()"
             )
-        self._comm.finish_grad_sync()
+        finish_grad_syncs(self._buckets, self._comm)
         self.presence.discard()
         self._grads_reduced = False
 
     def _start_frozen_grad_sync(self) -> None:
         """Reduce the buckets whose params are all frozen now where some rank still holds a grad
         in them, after every other bucket; decided from the presence flags every rank agreed on,
-        see Note [Frozen after backward] in ``grad_hooks``."""
-        for bucket_index in self.tracker.frozen_buckets():
-            if any(self.presence.agreed(bucket_index)):
-                self.tracker.take_frozen(bucket_index)
-                self._comm.start_grad_sync(bucket_index)
+        see Note [Frozen after backward] in ``bucket``."""
+        for bucket in self.tracker.frozen_buckets():
+            if any(bucket.agreed_presence()):
+                self.tracker.take_frozen(bucket)
+                bucket.start_grad_sync()
 
-    def _share_presence(self, bucket_indices: list[int]) -> None:
+    def _share_presence(self, buckets: list[Bucket]) -> None:
         received = self.tracker.received
         params = self._buffers.params
         local = self._local_presence
         flags = []
         note_unseen_grad = self.tracker.note_unseen_grad
-        for bucket_index in bucket_indices:
-            for slot in self._buckets[bucket_index].slots:
+        for bucket in buckets:
+            for slot in bucket.plan.slots:
                 index = slot.param_index
-                local[index] = (received[index] or note_unseen_grad(bucket_index, index)) and (
+                local[index] = (received[index] or note_unseen_grad(bucket, index)) and (
                     params[index].grad is not None
                 )
                 flags.append(local[index])
-        self.presence.start(bucket_indices, flags)
-
-    # -- reuse of the last step's grads ---------------------------------------------------------
-
-    def _grads_snapshot(self) -> _GradsSnapshot:
-        """What tells whether grads changed since: the grad buffers' versions, which params'
-        grads are their buffer views, and the staged grads themselves with their versions (Note
-        [Staged grads] in ``fusion.layout``); see Note [A step without backward]."""
-        staged = self._staged_grads()
-        return self._grad_versions(), self._grads_are_views(), staged, _versions(staged)
-
-    def _grad_versions(self) -> list[int | None]:
-        return [None if buffer is None else buffer._version for buffer in self._buffers.grad_buffers]
-
-    def _grads_are_views(self) -> list[bool]:
-        views = self._buffers.grad_views
-        return [param.grad is views[index] for index, param in enumerate(self._buffers.params)]
-
-    def _staged_grads(self) -> list[torch.Tensor | None]:
-        return [self._buffers.params[index].grad for index in self._staged_indices]
-
-    def _grads_unchanged_since_step(self) -> bool:
-        if self._grads_at_step is None:
-            return False
-        versions, are_views, staged, staged_versions = self._grads_at_step
-        staged_now = self._staged_grads()
-        return (
-            versions == self._grad_versions()
-            and are_views == self._grads_are_views()
-            and all(map(operator.is_, staged, staged_now))
-            and staged_versions == _versions(staged_now)
-        )
+        self.presence.start(buckets, flags)
 
     @torch.no_grad()
     def _zero_absent_grads(self) -> None:
@@ -320,8 +276,11 @@ class GradSync:
         iteration's norm, summed over the flat shards, would be nan (ws-3 campaign of seed 9203,
         programs 67 and 68: every param nan two steps after a skipped overflow)."""
         grad_buffers = {id(g) for g in self._buffers.grad_buffers if g is not None}
-        for shard in self._comm.live_shards():
-            present = self.presence.params_with_grads(shard.bucket.index)
+        for bucket in self._buckets:
+            shard = bucket.shard
+            if shard is None:
+                continue
+            present = bucket.params_with_grads()
             if not present:
                 for whole in {id(t): t for t in (shard.reduced_grad, shard.stepped_grad)}.values():
                     if id(whole) not in grad_buffers:  # this rank's local grads stay as they are
@@ -338,7 +297,8 @@ class GradSync:
         written = self.tracker.grads_written_since_backward()
         if written:
             raise RuntimeError(
-                f"ShardingStage1: grads of buckets {written[:8]} were modified in place after backward "
+                f"ShardingStage1: grads of buckets {[b.index for b in written[:8]]} were modified in "
+                "place after backward "
                 "(torch.nn.utils.clip_grad_norm_, clip_grad_value_, GradScaler.unscale_, p.grad.mul_(), "
                 "...). param.grad holds this rank's local, unreduced grad (in overlap mode it is being "
                 "reduced while you write it), so the edit would be lost or differ per rank. Clip with "
@@ -391,18 +351,9 @@ class GradSync:
             )
 
 
-_GradsSnapshot = tuple[list[int | None], list[bool], list[torch.Tensor | None], list[int | None]]
-"""Grad buffer versions, grads that are views, staged grads and their versions: see
-:meth:`GradSync._grads_snapshot`."""
-
-
-def _versions(grads: list[torch.Tensor | None]) -> list[int | None]:
-    return [None if grad is None else grad._version for grad in grads]
-
-
 def _flag_device(shards: OptimizerShards) -> torch.device:
     """CPU when the group runs CPU tensors on gloo (no device sync to read the flags), else the
     params' device."""
-    if collectives.backend_for_device(shards.process_group, "cpu") == "gloo":
+    if collectives.backend_for_device(shards.groups.world, "cpu") == "gloo":
         return torch.device("cpu")
     return shards.plan.buckets[0].device

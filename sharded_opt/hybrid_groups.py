@@ -34,9 +34,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from sharded_opt.collectives import collective_timeout
+from sharded_opt.collectives import backend_for_device, collective_timeout
 from sharded_opt.communicator_pool import CommunicatorLease, lease_groups
-from sharded_opt.grad_presence import presence_group
 from sharded_opt.validation import new_communicator, user_group
 
 
@@ -55,6 +54,8 @@ class ShardGroups:
         grid: the global ranks of every row.
         presence: the group the grad presence flags are agreed on (Note [Presence per bucket]
             in ``grad_presence``): ``world``, or one of its own over the same ranks on gloo.
+        world_rank: this rank's index in ``world``.
+        world_size: the number of ranks of the wrapper, ``r * k``.
     """
 
     world: ProcessGroup
@@ -66,11 +67,25 @@ class ShardGroups:
     num_replicas: int
     grid: tuple[tuple[int, ...], ...]
     presence: ProcessGroup
+    world_rank: int
+    world_size: int
 
     def owned(self) -> list[ProcessGroup]:
         """Every group of the wrapper's own, each once, in the same order on every rank."""
         groups = dict.fromkeys([self.world, self.shard, self.replicate, self.presence])
         return [group for group in groups if group is not None]
+
+
+def presence_group(world: ProcessGroup, shard: ProcessGroup) -> ProcessGroup:
+    """The group the presence flags are all-reduced on, for a wrapper communicating on ``world``
+    and reducing its buckets on ``shard``: every rank of the wrapper, as a group of its own when
+    the bucket reductions run on the same ranks over gloo (collective when it creates one; see
+    Note [Presence per bucket] in ``grad_presence``)."""
+    on_gloo = backend_for_device(world, "cpu") == "gloo"
+    if not on_gloo or shard is not world or dist.get_world_size(world) == 1:
+        return world
+    ranks = dist.get_process_group_ranks(world)
+    return new_communicator(ranks, world, local=len(ranks) != dist.get_world_size())
 
 
 def lease_shard_groups(
@@ -119,14 +134,19 @@ def build_shard_groups(ranks: list[int], like: ProcessGroup, grid: list[list[int
     same order, or on the members alone when ``ranks`` are not the whole world (collective)."""
     everyone = len(ranks) == dist.get_world_size()
     world = new_communicator(ranks, like, local=not everyone)
+    identity = (dist.get_rank(world), len(ranks))
     if grid is None or len(grid) == 1:
         rows = (tuple(ranks),)
         presence = presence_group(world, world)
-        return ShardGroups(world, world, dist.get_rank(world), len(ranks), None, 0, 1, rows, presence)
+        return ShardGroups(
+            world, world, dist.get_rank(world), len(ranks), None, 0, 1, rows, presence, *identity
+        )
     rows = tuple(tuple(row) for row in grid)
     if len(grid[0]) == 1:  # no sharding: every rank holds everything, grads all-reduced over world
         me = dist.get_rank(world)
-        return ShardGroups(world, world, me, 1, None, me, len(grid), rows, presence_group(world, world))
+        return ShardGroups(
+            world, world, me, 1, None, me, len(grid), rows, presence_group(world, world), *identity
+        )
     me = dist.get_rank()
     shard = replicate = None
     for row in grid:
@@ -141,7 +161,9 @@ def build_shard_groups(ranks: list[int], like: ProcessGroup, grid: list[list[int
     row_index = next(i for i, row in enumerate(grid) if me in row)
     shard_rank = grid[row_index].index(me)
     # The flags share ``world`` with no bucket reduction here (those run on the rows).
-    return ShardGroups(world, shard, shard_rank, len(grid[0]), replicate, row_index, len(grid), rows, world)
+    return ShardGroups(
+        world, shard, shard_rank, len(grid[0]), replicate, row_index, len(grid), rows, world, *identity
+    )
 
 
 def _frozen(grid: list[list[int]] | None) -> tuple[tuple[int, ...], ...] | None:

@@ -29,13 +29,12 @@ from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
-from sharded_opt.bucket_comm import BucketCommunicator
+from sharded_opt.bucket import Bucket
 from sharded_opt.collective_guard import EntryGuard
 from sharded_opt.grad_clipping import GradClipping
 from sharded_opt.grad_sync import GradSync
@@ -127,24 +126,22 @@ class ShardingStage1(torch.optim.Optimizer):
         # wrapper's groups]; given back when this wrapper is collected, or by close().
         self._lease = lease_shard_groups(process_group, config.degree, device_mesh, config.enable)
         groups = self._lease.groups
-        group, rank, world_size = groups.world, dist.get_rank(groups.world), dist.get_world_size(groups.world)
-        check_same_layout(specs, group, world_size)
+        check_same_layout(specs, groups.world, groups.world_size)
         self.overlap = config.enable_overlap
         self.collective_entry_timeout_s = config.collective_entry_timeout_s
         self.sharded = config.enable
-        self.process_group, self.rank, self.world_size = group, rank, world_size
         self.shard_groups = groups
         self.plan, precisions = plan_buckets(optimizer, needs, specs, config, groups)
         # ``self`` owns the param groups; the cycle through it keeps a dropped wrapper (and its
         # hooks) alive until the garbage collector runs, as it always did.
         self.shards = build_shards(optimizer, self, self.plan, params, precisions, config, groups)
         self.grad_sync = GradSync(self.shards, self.overlap)
-        self._param_sync = ParamSync(self.shards.comm)
+        self._param_sync = ParamSync(self.shards.buckets, self.shards.comm)
         self._param_guard = ParamGuard(self.shards.buffers, self._param_sync)
-        self._clipping = GradClipping(self.grad_sync, self.shards.comm, self._param_guard)
+        self._clipping = GradClipping(self.grad_sync, self.shards, self._param_guard)
         self._pipeline = StepPipeline(self.shards, self.grad_sync, self._param_sync, needs.state_per_param)
         # A failed check leaves the ranks' call counters on the groups apart: never reused.
-        self.entry_guard = EntryGuard(group, self.collective_entry_timeout_s, self._lease.withhold)
+        self.entry_guard = EntryGuard(groups.world, self.collective_entry_timeout_s, self._lease.withhold)
         self._state_dicts = StateDictExchange(self.shards, self._param_sync, self.entry_guard)
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
         self.state = ShardedStateView()  # type: ignore[assignment]  # Note [No per-param state]
@@ -347,7 +344,7 @@ class ShardingStage1(torch.optim.Optimizer):
         Keys: ``params`` and ``grads`` (the flat buffers, padding included), ``reduced_grads``
         (the averaged grads the optimizer steps, when not the grad buffer itself), ``master``
         (master copies of the local shard), ``optimizer_state``, ``staging`` (casts of grads to
-        ``reduce_dtype`` for the reduce-scatter, Note [Bounded staging] in ``bucket_comm``; none
+        ``reduce_dtype`` for the reduce-scatter, Note [Bounded staging] in ``comm_context``; none
         on CPU gloo, which widens on receipt).
         """
         return self.shards.memory_bytes()
@@ -419,7 +416,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._hook_handles: list[RemovableHandle] = []
         # The tracker's list, not a copy: it grows when params are unfrozen later.
         self._release = weakref.finalize(
-            self, _release_hooks, self.shards.comm, self._hook_handles, self.grad_sync.tracker.handles
+            self, _release_hooks, self.shards.buckets, self._hook_handles, self.grad_sync.tracker.handles
         )
         # At interpreter exit the process group may be gone; there is nothing to wait for then.
         self._release.atexit = False
@@ -429,6 +426,22 @@ class ShardingStage1(torch.optim.Optimizer):
         """Whether :meth:`close` ran (or a ``with`` block ended): the hooks and, when it spans
         the world, the process groups are gone, so ``step()`` and the state-dict methods raise."""
         return self._closed
+
+    @property
+    def process_group(self) -> ProcessGroup:
+        """The wrapper's own communicator over the ranks it was built for (Note [One
+        communicator per wrapper] in ``validation``)."""
+        return self.shard_groups.world
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in :attr:`process_group`."""
+        return self.shard_groups.world_rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks of :attr:`process_group`."""
+        return self.shard_groups.world_size
 
     def _check_open(self, method: str) -> None:
         if self._closed:
@@ -444,9 +457,10 @@ class ShardingStage1(torch.optim.Optimizer):
         )
 
 
-def _release_hooks(comm: BucketCommunicator, *handle_lists: list[RemovableHandle]) -> None:
+def _release_hooks(buckets: list[Bucket], *handle_lists: list[RemovableHandle]) -> None:
     """Finish the all-gathers still writing the params (a new wrapper may copy them next), then
     remove every hook."""
-    comm.finish_param_sync()
+    for bucket in buckets:
+        bucket.finish_param_sync()
     for handles in handle_lists:
         remove_handles(handles)

@@ -1,13 +1,16 @@
 """``ParamSync``: the param side of the wrapper, from the all-gathers ``step()`` starts to the
 waits that make every read see the updated params.
 
-The all-gathers run in the communicator; with a model attached in overlap mode, the per-module
-waits, the read guard and the check for writes during a gather run in ``ParamReadyWaiter``
-(Note [No stale params] in ``param_hooks``). This class decides which of the two waits, and
-when. It also holds the broadcasts that make every rank start from the first rank's params.
+The all-gathers are the buckets' own (:class:`~sharded_opt.bucket.Bucket`); with a model
+attached in overlap mode, the per-module waits, the read guard and the check for writes during a
+gather run in ``ParamReadyWaiter`` (Note [No stale params] in ``param_hooks``). This class
+decides which of the two waits, and when. It also holds the broadcasts that make every rank
+start from the first rank's params.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -16,7 +19,8 @@ from torch.distributed import ProcessGroup
 
 from fusion.buffers import FlatBuffers
 from sharded_opt import collectives
-from sharded_opt.bucket_comm import BucketCommunicator
+from sharded_opt.bucket import Bucket, start_param_syncs
+from sharded_opt.comm_context import CommContext
 from sharded_opt.param_hooks import ParamReadyWaiter
 from sharded_opt.streams import on_stream
 
@@ -27,41 +31,54 @@ class ParamSync:
     module in the next forward.
 
     Args:
-        comm: issues and finishes the all-gathers.
+        buckets: the wrapper's buckets, in bucket order.
+        comm: what the buckets share (the comm stream).
     """
 
-    def __init__(self, comm: BucketCommunicator) -> None:
+    def __init__(self, buckets: list[Bucket], comm: CommContext) -> None:
+        self._buckets = buckets
         self._comm = comm
         # Forward order is registration order (buckets are laid out in reverse), see
         # Note [No stale params].
-        self._gather_order = list(reversed(range(len(comm.buffers.plan.buckets))))
+        self._gather_order = buckets[::-1]
         self.waiter: ParamReadyWaiter | None = None
         """The attached model's per-module waits (overlap mode); None: ``step()`` waits."""
 
-    def start_param_sync(self, bucket_indices: list[int]) -> None:
-        """Issue the all-gathers of ``bucket_indices`` in forward order, see Note [Step
-        pipeline] in ``step_pipeline``."""
-        self._comm.start_param_sync(b for b in self._gather_order if b in bucket_indices)
+    def start_param_sync(self, buckets: list[Bucket]) -> None:
+        """Issue the all-gathers of ``buckets`` in forward order, see Note [Step pipeline] in
+        ``step_pipeline``."""
+        start_param_syncs([b for b in self._gather_order if b in buckets], self._comm)
+
+    def pending_buckets(self) -> list[Bucket]:
+        """Buckets whose updated params are still being all-gathered."""
+        return [bucket for bucket in self._buckets if bucket.param_sync_pending]
+
+    def finish_buckets(self, bucket_indices: Iterable[int] | None = None) -> None:
+        """Make the current stream (on CPU: the host) wait for the latest all-gathers of the
+        buckets at ``bucket_indices`` in the layout (default: all)."""
+        buckets = self._buckets
+        for bucket in buckets if bucket_indices is None else (buckets[i] for i in bucket_indices):
+            bucket.finish_param_sync()
 
     def hand_over(self) -> None:
         """At the end of ``step()``: wait for the all-gathers now, or leave them to the next
         forward's per-module waits (not when that forward ran compiled, see Note
         [torch.compile] in ``param_hooks``)."""
         if self.waiter is None or self.waiter.forward_compiled:
-            self._comm.finish_param_sync()
+            self.finish_buckets()
         else:
-            self.waiter.gathers_started(self._comm.pending_param_buckets())
+            self.waiter.gathers_started([bucket.index for bucket in self.pending_buckets()])
 
     def finish_param_sync(self) -> None:
         """Wait until every param holds its updated value; see ``ShardingStage1.sync_params``."""
         if self.waiter is None:
-            self._comm.finish_param_sync()
+            self.finish_buckets()
         else:
             self.waiter.finish()
 
     def wait_for_params(self, stream: torch.Stream | None) -> None:
         """Make ``stream`` wait for every param; see ``ShardingStage1.wait_for_params``."""
-        device = self._comm.buffers.plan.buckets[0].device
+        device = self._buckets[0].plan.device
         if stream is not None and not isinstance(stream, torch.Stream):
             raise TypeError(
                 f"ShardingStage1.wait_for_params expects stream to be a torch.Stream or None but got "

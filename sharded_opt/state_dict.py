@@ -79,8 +79,8 @@ def describe_param_states(shards: OptimizerShards, local: dict[int, ParamState])
         }
     if not shards.comm.sharded:
         return dict(sorted(own.items()))  # param order, as torch's state_dict lists them
-    everyone: list[Any] = [None] * shards.world_size
-    dist.all_gather_object(everyone, own, group=shards.process_group)
+    everyone: list[Any] = [None] * shards.groups.world_size
+    dist.all_gather_object(everyone, own, group=shards.groups.world)
     merged: dict[int, dict[str, Any]] = {}
     for descriptions in everyone:
         merged.update(descriptions)
@@ -88,7 +88,7 @@ def describe_param_states(shards: OptimizerShards, local: dict[int, ParamState])
 
 
 def _first_inner_param(shards: OptimizerShards, index: int) -> Tensor:
-    shard = shards.comm.shards[shards.plan.slot(index).bucket_index]
+    shard = shards.shard_of(index)
     return shard.inner_params[shard.inner_owners.index(index)]
 
 
@@ -104,7 +104,7 @@ def gather_state_dict(shards: OptimizerShards, to_rank: int | None) -> dict[str,
     With ``to_rank``, full tensors are reduced to that rank only and the others return None.
     Full state tensors are assembled ``GATHER_BATCH_BYTES`` at a time beyond the local shards.
     """
-    local = param_states(shards.inner, shards.comm.live_shards())
+    local = param_states(shards.inner, shards.live_shards())
     descriptions = describe_param_states(shards, local)
     state: dict[int, dict[str, Any]] = {}
     elementwise: list[tuple[int, str, torch.dtype]] = []
@@ -121,7 +121,7 @@ def gather_state_dict(shards: OptimizerShards, to_rank: int | None) -> dict[str,
     for batch in _gather_batches(shards, elementwise):
         for index, key, full in _assemble(shards, batch, local, pieces, to_rank):
             state[index][key] = view_slot(full, shards.plan.slot(index))
-    if to_rank is not None and shards.rank != to_rank:
+    if to_rank is not None and shards.groups.world_rank != to_rank:
         return None
     return {"state": state, "param_groups": indexed_groups(shards.param_groups)}
 
@@ -170,7 +170,7 @@ def _assemble(
         offset += full.numel()
     if shards.comm.sharded:
         _sum_over_group(flat, shards, to_rank)
-    if to_rank is not None and shards.rank != to_rank:
+    if to_rank is not None and shards.groups.world_rank != to_rank:
         return []  # the sum went to another rank
     return [(index, key, flat[start : start + params[index].numel()].clone()) for index, key, start in spans]
 
@@ -184,11 +184,9 @@ def _contributes(shards: OptimizerShards) -> bool:
 def _sum_over_group(tensor: Tensor, shards: OptimizerShards, to_rank: int | None) -> None:
     # Pieces are disjoint and zero elsewhere, so the sum is the exact concatenation.
     if to_rank is None:
-        dist.all_reduce(tensor, group=shards.process_group)
+        dist.all_reduce(tensor, group=shards.groups.world)
     else:
-        dist.reduce(
-            tensor, dst=dist.get_global_rank(shards.process_group, to_rank), group=shards.process_group
-        )
+        dist.reduce(tensor, dst=dist.get_global_rank(shards.groups.world, to_rank), group=shards.groups.world)
 
 
 def expected_state_keys(
@@ -225,11 +223,11 @@ def load_state_dict(shards: OptimizerShards, state_dict: dict[str, Any]) -> None
     for position, entry in saved_state.items():
         _check_param_state(shards, position, params[position], entry, expected.of(position))
     for position in saved_state:
-        shards.materialize(shards.plan.slot(position).bucket_index)
+        shards.materialize(shards.bucket_of(position))
     local_states = _local_states(shards, saved_state, expected)
     for ours, saved in zip(shards.param_groups, saved_groups, strict=True):
         ours.update(hyperparameters(saved))
-    load_param_states(shards.inner, shards.comm.live_shards(), local_states, shards.param_groups)
+    load_param_states(shards.inner, shards.live_shards(), local_states, shards.param_groups)
 
 
 def _check_structure(shards: OptimizerShards, state_dict: Any) -> None:
@@ -351,7 +349,7 @@ class StateDictExchange:
 
     def state_dict(self, wrapper: torch.optim.Optimizer, to_rank: int | None) -> dict[str, Any] | None:
         """See ``ShardingStage1.state_dict``; ``wrapper``'s hooks run around it."""
-        world_size = self._shards.world_size
+        world_size = self._shards.groups.world_size
         if to_rank is not None and not 0 <= to_rank < world_size:
             raise ValueError(
                 f"ShardingStage1.state_dict expects to_rank in [0, {world_size}) but got {to_rank}"
@@ -375,7 +373,7 @@ class StateDictExchange:
 
     def consolidate(self, to: int) -> None:
         """See ``ShardingStage1.consolidate_state_dict``."""
-        world_size = self._shards.world_size
+        world_size = self._shards.groups.world_size
         if not 0 <= to < world_size:
             raise ValueError(
                 f"ShardingStage1.consolidate_state_dict expects to in [0, {world_size}) but got {to}"
@@ -405,8 +403,9 @@ class StateDictExchange:
             raise RuntimeError(
                 f"ShardingStage1.state_dict: consolidate_state_dict(to={consolidated.rank}) gathered the "
                 f"state on rank {consolidated.rank}, so until the next step() only that rank's "
-                f"state_dict() returns it (this is rank {self._shards.rank}). Call opt.state_dict() on rank "
-                f"{consolidated.rank} alone, or opt.state_dict() / opt.state_dict(to_rank=...) on every rank"
+                f"state_dict() returns it (this is rank {self._shards.groups.world_rank}). Call "
+                f"opt.state_dict() on rank {consolidated.rank} alone, or opt.state_dict() / "
+                "opt.state_dict(to_rank=...) on every rank"
             )
         # The param groups are read now: a scheduler may have changed them since consolidating.
         return {"state": consolidated.state, "param_groups": indexed_groups(self._shards.param_groups)}

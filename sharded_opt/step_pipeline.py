@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from sharded_opt.bucket import Bucket
 from sharded_opt.grad_sync import GradSync
 from sharded_opt.inner_optimizer import copy_group_updates, hyperparameters, step_without_hooks
 from sharded_opt.optimizer_shards import OptimizerShards
@@ -81,11 +82,10 @@ class StepPipeline:
         state_per_param: bool,
     ) -> None:
         self._shards = shards
-        self._comm = shards.comm
         self._inner = shards.inner
         self._grad_sync = grad_sync
         self._param_sync = param_sync
-        self.step_per_bucket = shards.world_size > 1 and state_per_param
+        self.step_per_bucket = shards.groups.world_size > 1 and state_per_param
         """One inner step per bucket as its reduction lands, see Note [Step pipeline]."""
 
     def run(
@@ -104,7 +104,7 @@ class StepPipeline:
             return False
         if grad_scale is not None:
             inverse = grad_scale.double().reciprocal().float()
-            torch._foreach_mul_(self._comm.local_grads(), inverse)
+            torch._foreach_mul_(self._shards.local_grads(), inverse)
         self.step(kwargs)
         self._param_sync.hand_over()
         self._grad_sync.start_iteration()
@@ -115,9 +115,9 @@ class StepPipeline:
         """Step every bucket's shard and start the all-gathers of those that changed; see Note
         [Step pipeline]."""
         self._sync_hyperparameters()
-        order = [shard.bucket.index for shard in self._comm.live_shards()]  # the landing order
-        batches = [[index] for index in order] if self.step_per_bucket else [order]
-        stepped: list[int] = []
+        order = [bucket for bucket in self._shards.buckets if bucket.shard is not None]  # landing order
+        batches = [[bucket] for bucket in order] if self.step_per_bucket else [order]
+        stepped: list[Bucket] = []
         error: Exception | None = None
         for batch in batches:
             self._grad_sync.finish_grad_sync(batch)  # every reduction finishes, even after an error
@@ -144,7 +144,7 @@ class StepPipeline:
                 "or fix the cause and keep training"
             )
 
-    def _mark_params_updated(self, bucket_indices: list[int]) -> None:
+    def _mark_params_updated(self, buckets: list[Bucket]) -> None:
         """Bump the version counter of every param the step changed, as torch's in-place
         optimizer update does: a graph built before ``step()`` that saved a param for its
         backward (``loss1.backward(retain_graph=True); opt.step(); loss2.backward()``) then
@@ -154,34 +154,28 @@ class StepPipeline:
         are gathered] in ``param_hooks``), so the params' own counters need the bump; it comes
         before ``gathers_started`` records them."""
         params = self._shards.buffers.params
-        presence = self._grad_sync.presence
-        updated = [
-            params[index]
-            for bucket_index in bucket_indices
-            for index in presence.params_with_grads(bucket_index)
-        ]
+        updated = [params[index] for bucket in buckets for index in bucket.params_with_grads()]
         if updated:
             torch.autograd.graph.increment_version(updated)
 
-    def _step_buckets(self, bucket_indices: list[int], kwargs: dict[str, Any]) -> list[int]:
-        """One inner step over the pieces of ``bucket_indices`` whose params got a grad on some
-        rank; returns the buckets it changed. Pieces of other params (and other buckets) are
-        left out of the step, so, as in torch, they and their state stay untouched."""
-        presence = self._grad_sync.presence
+    def _step_buckets(self, buckets: list[Bucket], kwargs: dict[str, Any]) -> list[Bucket]:
+        """One inner step over the pieces of ``buckets`` whose params got a grad on some rank;
+        returns the buckets it changed. Pieces of other params (and other buckets) are left out
+        of the step, so, as in torch, they and their state stay untouched."""
         groups: list[list[torch.Tensor]] = [[] for _ in self._inner.param_groups]
         stepped = []
-        for bucket_index in bucket_indices:
-            shard = self._comm.shards[bucket_index]
-            present = presence.agreed(bucket_index)
+        for bucket in buckets:
+            shard = bucket.shard
+            present = bucket.agreed_presence()
             if shard is None or not any(present):
                 continue
-            stepped.append(bucket_index)
+            stepped.append(bucket)
             shard.refresh_master()
             group = groups[shard.bucket.group_index]
             if all(present):
                 group += shard.inner_params
             else:
-                owners = presence.params_with_grads(bucket_index)
+                owners = bucket.params_with_grads()
                 pieces = zip(shard.inner_params, shard.inner_owners, strict=True)
                 group += [piece for piece, owner in pieces if owner in owners]
         if any(groups) or not self.step_per_bucket:

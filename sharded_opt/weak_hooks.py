@@ -21,6 +21,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 
@@ -71,3 +73,32 @@ def remove_handles(handles: list[RemovableHandle]) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
+
+
+def register_accumulate_hook(param: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandle:
+    """``param``'s post-accumulate-grad hook, frozen params included (see
+    ``GradReadyTracker.scan`` in ``grad_hooks``): torch refuses to register one on a tensor
+    that does not require grad, but keeps it on the tensor, where the param's grad accumulator
+    finds it once the param is unfrozen; so the flag is set for the registration only (no torch
+    function mode sees it)."""
+    if param.requires_grad:
+        return param.register_post_accumulate_grad_hook(hook)
+    with torch._C.DisableTorchFunction():
+        param.requires_grad_(True)
+        try:
+            return param.register_post_accumulate_grad_hook(hook)
+        finally:
+            param.requires_grad_(False)
+
+
+def retire_hooks(params: list[Tensor], hook_type: type) -> None:
+    """Silence the hooks of ``hook_type`` (each with a ``retired`` flag) that an older tracker (a
+    previous wrapper still alive, not yet closed or collected) left on ``params``: the params'
+    grads now belong to the new tracker's buffers. Ownership is decided here, once, and not by
+    where ``param.data`` lives, so a param whose data the user replaced (Note [Params replaced
+    after wrapping] in ``param_guard``) keeps reporting its grads."""
+    for param in params:
+        hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+        for hook in hooks.values():
+            if isinstance(hook, hook_type):
+                hook.retired = True

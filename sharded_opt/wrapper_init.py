@@ -7,14 +7,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fusion.bucket_sizing import trainable_bytes
 from fusion.buffers import FlatBuffers
 from fusion.layout import LayoutPlan, ParamSpec, plan_layout
-from sharded_opt.bucket_comm import BucketCommunicator
+from sharded_opt.bucket import build_buckets
+from sharded_opt.comm_context import CommContext
 from sharded_opt.hybrid_groups import ShardGroups
 from sharded_opt.inner_optimizer import build_inner_optimizer, check_steps
 from sharded_opt.local_shard import BucketPrecision, resolve_precision
@@ -116,28 +116,6 @@ def plan_buckets(
     return plan, precisions
 
 
-def build_communicator(
-    buffers: FlatBuffers, groups: ShardGroups, config: ShardingConfig, precisions: list[BucketPrecision]
-) -> BucketCommunicator:
-    """Sharded over the shard group where sharding is on and it has several ranks; otherwise
-    all-reducing (or, on one rank, leaving) the grads of the whole group."""
-    if config.enable and groups.shard_size > 1:
-        return BucketCommunicator(
-            buffers,
-            groups.shard,
-            groups.shard_rank,
-            groups.shard_size,
-            True,
-            precisions,
-            replicate_group=groups.replicate,
-            point_to_point=config.gloo_point_to_point,
-        )
-    world = groups.world
-    return BucketCommunicator(
-        buffers, world, dist.get_rank(world), dist.get_world_size(world), False, precisions
-    )
-
-
 def build_shards(
     optimizer: torch.optim.Optimizer,
     owner: ParamGroupsOwner,
@@ -148,19 +126,23 @@ def build_shards(
     groups: ShardGroups,
 ) -> OptimizerShards:
     """The flat buffers over ``params`` (holding the group's first rank's values on every rank,
-    collective), the communicator, and the wrapped class rebuilt over this rank's shards."""
-    group = groups.world
-    world_size = dist.get_world_size(group)
+    collective), the buckets, and the wrapped class rebuilt over this rank's shards."""
     buffers = FlatBuffers(plan, params)
-    broadcast_from_first_rank(buffers, group, world_size)
-    comm = build_communicator(buffers, groups, config, precisions)
+    broadcast_from_first_rank(buffers, groups.world, groups.world_size)
+    comm = CommContext.for_groups(
+        groups,
+        sharding=config.enable,
+        point_to_point=config.gloo_point_to_point,
+        device=plan.buckets[0].device,
+    )
+    buckets = build_buckets(buffers, precisions, comm)
     if optimizer.state:
         # The class creates state at construction (Adagrad): it exists for every param, frozen
         # or not, so every bucket needs its pieces now, as the plain optimizer has them.
-        for bucket in plan.buckets:
-            comm.materialize(bucket.index)
-    inner = build_inner_optimizer(optimizer, comm.live_shards())
-    return OptimizerShards(plan, buffers, comm, inner, owner, groups, group, dist.get_rank(group), world_size)
+        for bucket in buckets:
+            bucket.materialize()
+    inner = build_inner_optimizer(optimizer, [b.shard for b in buckets if b.shard is not None])
+    return OptimizerShards(plan, buffers, comm, buckets, inner, owner, groups)
 
 
 class ModelAttacher:
@@ -210,8 +192,8 @@ class ModelAttacher:
         """Install the hooks on ``model`` and broadcast its params and buffers from the first rank
         (collective); the model was checked (``check_trained_modules``)."""
         buffers = self._shards.buffers
-        group, world_size = self._shards.process_group, self._shards.world_size
-        waiter = ParamReadyWaiter(model, buffers, self._shards.comm.finish_param_sync)
+        group, world_size = self._shards.groups.world, self._shards.groups.world_size
+        waiter = ParamReadyWaiter(model, buffers, self._param_sync.finish_buckets)
         self._attached = True
         names = {id(param): name for name, param in model.named_parameters()}
         self._param_guard.param_names = {

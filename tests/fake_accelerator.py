@@ -1,6 +1,6 @@
 """Fake streams, events and collectives that log every record and wait in order, so the
 accelerator path of ``sharded_opt`` runs on CPU: install them with ``monkeypatch`` over
-``torch.Event``, ``torch.accelerator.current_stream``, ``bucket_comm.new_comm_stream`` and, for
+``torch.Event``, ``torch.accelerator.current_stream``, ``comm_context.new_comm_stream`` and, for
 collectives that only log, ``collectives.reduce_scatter_avg`` / ``collectives.all_gather``."""
 
 from __future__ import annotations

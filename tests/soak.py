@@ -120,8 +120,9 @@ def _train_step(model: SoakModel, optimizer: ShardingStage1, step: int, plan: St
 
 def _probe(model: SoakModel, optimizer: ShardingStage1, step: int) -> dict:
     optimizer.sync_params()
-    comm = optimizer.shards.comm
-    pending, launched = comm.pending_param_buckets(), comm.launched_grad_buckets()
+    buckets = optimizer.shards.buckets
+    pending = [b.index for b in buckets if b.param_sync_pending]
+    launched = [b.index for b in buckets if b.grad_sync_pending]
     live_tensors = live_tensor_count()  # first: its object list must be in every RSS sample alike
     return {
         "step": step,

@@ -160,7 +160,7 @@ def train_sharded(config: RunConfig) -> dict:
         "state_numel": _state_numel(optimizer.shards.inner),
         "trainable_local_numel": sum(
             piece.numel
-            for shard in optimizer.shards.comm.live_shards()
+            for shard in optimizer.shards.live_shards()
             for piece in shard.pieces
             if optimizer.shards.buffers.params[piece.param_index].requires_grad
         ),

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy, bucket_comm, collectives
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives, comm_context
 from tests.dist_helper import run_ranks
 from tests.fake_accelerator import FakeAccelerator, FakeEvent, FakeStream
 
@@ -63,7 +63,7 @@ def _streams_the_reduction_waited_for() -> set[str]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "Event", lambda device: FakeEvent(fake, device))
         patch.setattr(torch.accelerator, "current_stream", fake.current_stream)
-        patch.setattr(bucket_comm, "new_comm_stream", lambda device: fake.comm)
+        patch.setattr(comm_context, "new_comm_stream", lambda device: fake.comm)
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 4)
         optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True)
@@ -111,9 +111,9 @@ def _wait_for_params() -> dict:
     optimizer = ShardingStage1(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True, model=model)
     model(torch.ones(2, 16)).sum().backward()
     optimizer.step()
-    pending_after_step = optimizer.shards.comm.pending_param_buckets()
+    pending_after_step = [b.index for b in optimizer.shards.buckets if b.param_sync_pending]
     optimizer.wait_for_params(torch.Stream(device="cpu"))
-    pending_after_wait = optimizer.shards.comm.pending_param_buckets()
+    pending_after_wait = [b.index for b in optimizer.shards.buckets if b.param_sync_pending]
     errors = []
     for stream in ("cuda", torch.Stream(device="meta")):
         with pytest.raises((TypeError, ValueError)) as raised:

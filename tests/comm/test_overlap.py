@@ -109,18 +109,18 @@ def _observe_overlap() -> dict:
         model=model,
         strategy=Strategy(sharding=ShardingConfig(bucket_size_mb=0.001)),
     )
-    comm = optimizer.shards.comm
+    buckets = optimizer.shards.buckets
     first_layer = [i for i, p in enumerate(model.parameters()) if any(p is q for q in model.fc1.parameters())]
     seen: dict = {"first_layer_buckets": [optimizer.plan.slot(i).bucket_index for i in first_layer]}
 
     # fc1 is the first layer in forward, so its grads arrive last in backward.
     def on_last_grad(param: torch.Tensor) -> None:
-        seen.setdefault("launched_before_last_grad", comm.launched_grad_buckets())
+        seen.setdefault("launched_before_last_grad", [b.index for b in buckets if b.grad_sync_pending])
 
     model.fc1.weight.register_post_accumulate_grad_hook(on_last_grad)
 
     def before_first_layer(module, args):
-        pending = comm.pending_param_buckets()
+        pending = [b.index for b in buckets if b.param_sync_pending]
         seen.setdefault("pending_at_first_forward", pending)
 
     inputs, targets = batch(0)

@@ -8,12 +8,15 @@ All jobs run in one 2-rank spawn.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy, grad_sync, param_sync
 from tests.dist_helper import run_jobs, run_ranks
 
 ONE_PARAM_PER_BUCKET_MB = 0.0001
@@ -59,11 +62,12 @@ def _wrap(model: nn.Module, overlap: bool, bf16: bool) -> ShardingStage1:
     )
 
 
-def _record_events(opt: ShardingStage1) -> list[tuple[str, tuple[int, ...]]]:
-    """Wrap the communicator's finish/start calls and the inner steps to log them in order."""
+@contextlib.contextmanager
+def _recorded_events(opt: ShardingStage1) -> Iterator[list[tuple[str, tuple[int, ...]]]]:
+    """Log the buckets' finish/start calls and the inner steps in order, inside the block (the
+    module functions are patched in this worker process, then restored)."""
     events: list[tuple[str, tuple[int, ...]]] = []
-    comm = opt.shards.comm
-    bucket_of = {id(p): s.bucket.index for s in comm.live_shards() for p in s.inner_params}
+    bucket_of = {id(p): s.bucket.index for s in opt.shards.live_shards() for p in s.inner_params}
 
     def logged(name, method, buckets_of):
         def call(*args, **kwargs):
@@ -72,24 +76,32 @@ def _record_events(opt: ShardingStage1) -> list[tuple[str, tuple[int, ...]]]:
 
         return call
 
-    comm.finish_grad_sync = logged("finish", comm.finish_grad_sync, lambda indices=None: tuple(indices or ()))
-    comm.start_param_sync = logged("gather", comm.start_param_sync, lambda order: tuple(order))
+    finish, gather = grad_sync.finish_grad_syncs, param_sync.start_param_syncs
+    grad_sync.finish_grad_syncs = logged("finish", finish, lambda all, comm, some=None: _indices(some or ()))
+    param_sync.start_param_syncs = logged("gather", gather, lambda buckets, comm: _indices(buckets))
     stepped_buckets = lambda params_per_group, kwargs: tuple(  # noqa: E731
         sorted({bucket_of[id(p)] for params in params_per_group for p in params})
     )
     opt._pipeline._inner_step = logged("step", opt._pipeline._inner_step, stepped_buckets)
-    return events
+    try:
+        yield events
+    finally:
+        grad_sync.finish_grad_syncs, param_sync.start_param_syncs = finish, gather
+
+
+def _indices(buckets) -> tuple[int, ...]:
+    return tuple(bucket.index for bucket in buckets)
 
 
 def _event_order(overlap: bool) -> tuple[int, list]:
     model = _Net(torch.float32)
     opt = _wrap(model, overlap, bf16=False)
-    events = _record_events(opt)
-    for step in range(2):
-        opt.zero_grad()
-        model(_batch(step, torch.float32), use_middle=True).square().mean().backward()
-        events.clear()
-        opt.step()
+    with _recorded_events(opt) as events:
+        for step in range(2):
+            opt.zero_grad()
+            model(_batch(step, torch.float32), use_middle=True).square().mean().backward()
+            events.clear()
+            opt.step()
     opt.sync_params()
     return len(opt.plan.buckets), events
 

@@ -1,4 +1,4 @@
-"""Stream logic checked without an accelerator: stream set-up, and the communicator's
+"""Stream logic checked without an accelerator: stream set-up, and the buckets'
 accelerator path run with fake streams, events and collectives (the real thing runs in
 ``python -m benchmarks.gpu_check``)."""
 
@@ -11,7 +11,9 @@ import torch
 
 from fusion.buffers import FlatBuffers
 from fusion.layout import ParamSpec, plan_layout
-from sharded_opt import bucket_comm, collectives, streams
+from sharded_opt import collectives, comm_context, streams
+from sharded_opt.bucket import Bucket, build_buckets, finish_grad_syncs, start_param_syncs
+from sharded_opt.comm_context import CommContext
 from sharded_opt.grad_hooks import GradReadyTracker
 from sharded_opt.local_shard import resolve_precision
 from tests.fake_accelerator import FakeAccelerator, FakeEvent, FakeStream
@@ -46,22 +48,25 @@ def accelerator(monkeypatch: pytest.MonkeyPatch) -> FakeAccelerator:
     fake = FakeAccelerator()
     monkeypatch.setattr(torch, "Event", lambda device: FakeEvent(fake, device))
     monkeypatch.setattr(torch.accelerator, "current_stream", fake.current_stream)
-    monkeypatch.setattr(bucket_comm, "new_comm_stream", lambda device: fake.comm)
+    monkeypatch.setattr(comm_context, "new_comm_stream", lambda device: fake.comm)
     monkeypatch.setattr(collectives, "reduce_scatter_avg", fake.collective("reduce_scatter"))
     monkeypatch.setattr(collectives, "all_gather", fake.collective("all_gather"))
     return fake
 
 
-def _communicator(
+def _buckets(
     numels: tuple[int, ...], dtype: torch.dtype = torch.float32, bucket_size_bytes: int = 1 << 20
-) -> tuple[list[torch.nn.Parameter], bucket_comm.BucketCommunicator]:
+) -> tuple[list[torch.nn.Parameter], FlatBuffers, list[Bucket], CommContext]:
     """Rank 0 of 2, sharded, on a group that is never used (the collectives are fakes)."""
     params = [torch.nn.Parameter(torch.ones(numel, dtype=dtype)) for numel in numels]
     specs = [ParamSpec.of(param, 0) for param in params]
     plan = plan_layout(specs, 2, align_bytes=256, bucket_size_bytes=bucket_size_bytes)
     buffers = FlatBuffers(plan, params)
     precisions = [resolve_precision(bucket.dtype, None, None) for bucket in plan.buckets]
-    return params, bucket_comm.BucketCommunicator(buffers, None, 0, 2, True, precisions)
+    comm = CommContext(
+        None, 0, 2, sharded=True, replicate_group=None, point_to_point=False, device=plan.buckets[0].device
+    )
+    return params, buffers, build_buckets(buffers, precisions, comm), comm
 
 
 def _waits_before(log: list[str], entry: str, waiter: str) -> list[str]:
@@ -75,10 +80,13 @@ def _waits_before(log: list[str], entry: str, waiter: str) -> list[str]:
 def test_reduction_waits_for_every_stream_that_accumulated_grads_of_the_bucket(
     accelerator: FakeAccelerator,
 ) -> None:
-    params, comm = _communicator((8, 8))
-    assert len(comm.buffers.plan.buckets) == 1
-    launcher = SimpleNamespace(start_bucket_grad_sync=comm.start_grad_sync, all_buckets_launched=lambda: None)
-    tracker = GradReadyTracker(comm.buffers, comm, launcher, grad_streams=comm)  # noqa: F841 (hooks live with it)
+    params, buffers, buckets, _ = _buckets((8, 8))
+    assert len(buckets) == 1
+    launcher = SimpleNamespace(
+        start_bucket_grad_sync=Bucket.start_grad_sync, all_buckets_launched=lambda: None
+    )
+    shards = SimpleNamespace(materialize=Bucket.materialize)
+    tracker = GradReadyTracker(buffers, buckets, shards, launcher, note_streams=True)  # noqa: F841 (hooks live with it)
     side = FakeStream(accelerator, "side")
 
     def accumulate_on(stream: FakeStream):
@@ -94,19 +102,22 @@ def test_reduction_waits_for_every_stream_that_accumulated_grads_of_the_bucket(
 
     accelerator.current = accelerator.compute
     accelerator.log.clear()
-    comm.start_grad_sync(0)  # the next reduction: the streams seen were consumed by the first
+    buckets[0].start_grad_sync()  # the next reduction: the streams seen were consumed by the first
     assert _waits_before(accelerator.log, "reduce_scatter2 on comm", "comm") == ["compute"]
 
 
-def test_grad_hooks_note_the_stream_in_no_sync_too() -> None:
-    params = [torch.nn.Parameter(torch.ones(8)) for _ in range(2)]
-    plan = plan_layout([ParamSpec.of(p, 0) for p in params], 2, align_bytes=256, bucket_size_bytes=1 << 20)
+def test_grad_hooks_note_the_stream_in_no_sync_too(
+    accelerator: FakeAccelerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    params, buffers, buckets, _ = _buckets((8, 8))
     noted: list[int] = []
+    monkeypatch.setattr(Bucket, "note_grad_stream", lambda bucket: noted.append(bucket.index))
     tracker = GradReadyTracker(
-        FlatBuffers(plan, params),
-        SimpleNamespace(materialize=lambda index: None),
-        SimpleNamespace(start_bucket_grad_sync=lambda index: None, all_buckets_launched=lambda: None),
-        grad_streams=SimpleNamespace(note_grad_stream=noted.append),
+        buffers,
+        buckets,
+        SimpleNamespace(materialize=lambda bucket: None),
+        SimpleNamespace(start_bucket_grad_sync=lambda bucket: None, all_buckets_launched=lambda: None),
+        note_streams=True,
     )
     tracker.accumulate_only = True
     (params[0] + params[1]).sum().backward()
@@ -116,26 +127,27 @@ def test_grad_hooks_note_the_stream_in_no_sync_too() -> None:
 def test_every_stream_that_reads_params_waits_for_the_latest_all_gather(
     accelerator: FakeAccelerator,
 ) -> None:
-    _, comm = _communicator((8,))
+    _, _, buckets, comm = _buckets((8,))
+    (bucket,) = buckets
     side = FakeStream(accelerator, "side")
-    comm.start_param_sync([0])
+    start_param_syncs([bucket], comm)
     assert accelerator.log[-1] == "all_gather1 on comm"
     accelerator.log.clear()
-    comm.finish_param_sync([0])
-    comm.finish_param_sync([0])  # the compute stream already waited: nothing more
+    bucket.finish_param_sync()
+    bucket.finish_param_sync()  # the compute stream already waited: nothing more
     with side:
-        comm.finish_param_sync()
+        bucket.finish_param_sync()
     assert accelerator.log == [
         "comm waits all_gather1",
         "record comm#1",
         "compute waits comm#1",
         "side waits comm#1",
     ]
-    comm.start_param_sync([0])
+    start_param_syncs([bucket], comm)
     accelerator.log.clear()
     with side:
-        comm.finish_param_sync([0])
-    comm.finish_param_sync([0])
+        bucket.finish_param_sync()
+    bucket.finish_param_sync()
     assert accelerator.log == [
         "comm waits all_gather2",
         "record comm#2",
@@ -148,14 +160,13 @@ def test_casts_reuse_two_staging_buffers_each_behind_its_last_reader(
     accelerator: FakeAccelerator,
 ) -> None:
     # bf16 grads reduced in fp32; 128 bf16 elements are 256 bytes, one bucket per param.
-    _, comm = _communicator((256, 768, 256, 512), dtype=torch.bfloat16, bucket_size_bytes=256)
-    buckets = comm.buffers.plan.buckets
+    _, _, buckets, comm = _buckets((256, 768, 256, 512), dtype=torch.bfloat16, bucket_size_bytes=256)
     assert len(buckets) == 4
-    largest_bytes = max(bucket.padded_numel for bucket in buckets) * 4
+    largest_bytes = max(bucket.plan.padded_numel for bucket in buckets) * 4
     for step in range(2):
         accelerator.log.clear()
         for bucket in buckets:
-            comm.start_grad_sync(bucket.index)
+            bucket.start_grad_sync()
         collective_lines = [line for line in accelerator.log if "reduce_scatter" in line]
         first = 4 * step
         assert collective_lines == [
@@ -166,8 +177,8 @@ def test_casts_reuse_two_staging_buffers_each_behind_its_last_reader(
             f"comm waits reduce_scatter{first + 2}",
             f"reduce_scatter{first + 4} on comm",
         ]
-        comm.finish_grad_sync()
+        finish_grad_syncs(buckets, comm)
     storages = {tensor.untyped_storage().data_ptr() for tensor in accelerator.inputs}
     assert len(storages) == 2
     assert all(tensor.dtype == torch.float32 for tensor in accelerator.inputs)
-    assert comm.staging_bytes() == 2 * largest_bytes
+    assert comm.staging.nbytes == 2 * largest_bytes

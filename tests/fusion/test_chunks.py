@@ -29,7 +29,7 @@ def test_chunked_step_and_state_dict_are_bitwise_plain(single_rank_group) -> Non
     plain_model, wrapped_model = _wide_model(), _wide_model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
     wrapped = ShardingStage1(torch.optim.AdamW(wrapped_model.parameters(), lr=1e-3))
-    shards = wrapped.shards.comm.live_shards()
+    shards = wrapped.shards.live_shards()
     owners = [owner for shard in shards for owner in shard.inner_owners]
     assert max(owners.count(owner) for owner in owners) > 1, "the test needs a param cut into chunks"
     inner_params = [p for shard in shards for p in shard.inner_params]

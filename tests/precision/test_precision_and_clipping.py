@@ -86,7 +86,7 @@ def _master_state_dtypes() -> dict:
     optimizer.zero_grad()
     model(torch.randn(GLOBAL_BATCH, 12, dtype=torch.bfloat16)).sum().backward()
     optimizer.step()
-    shards = optimizer.shards.comm.live_shards()
+    shards = optimizer.shards.live_shards()
     return {
         "state_dtypes": {
             v.dtype for s in optimizer.shards.inner.state.values() for v in s.values() if v.dim() == 1
@@ -148,7 +148,7 @@ def _master_keeps_precision_and_follows_loaded_params() -> dict:
         model(inputs).sum().backward()
         optimizer.step()
     optimizer.sync_params()
-    masters = torch.cat([s.master for s in optimizer.shards.comm.live_shards()])
+    masters = torch.cat([s.master for s in optimizer.shards.live_shards()])
     keeps_fp32_bits = not torch.equal(masters, masters.to(torch.bfloat16).float())
 
     # Loading weights into the wrapped model must win over the stale master copy.

@@ -44,7 +44,7 @@ def _step_after_failed_backward() -> dict:
     loss = model.head(torch.tanh(model.fc2(hidden))).sum()
     with contextlib.suppress(ValueError):
         loss.backward()
-    launched = optimizer.shards.comm.launched_grad_buckets()
+    launched = [b.index for b in optimizer.shards.buckets if b.grad_sync_pending]
     try:
         optimizer.step()
         refused = "stepped"
@@ -54,7 +54,7 @@ def _step_after_failed_backward() -> dict:
     model(inputs).sum().backward()
     optimizer.step()  # the next iteration works normally
     optimizer.sync_params()
-    pending = optimizer.shards.comm.launched_grad_buckets()
+    pending = [b.index for b in optimizer.shards.buckets if b.grad_sync_pending]
     return {"launched": launched, "refused": refused, "pending": pending}
 
 

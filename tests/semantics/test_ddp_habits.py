@@ -183,11 +183,11 @@ def _copies() -> dict:
     # The copies' forward and backward run while the original's all-gathers are pending and
     # must neither wait for them nor count grads for the wrapper.
     _train(model, optimizer, 1, first_step=STEPS)
-    pending = optimizer.shards.comm.pending_param_buckets()
+    pending = _pending_gathers(optimizer)
     for copied in (duplicate, loaded, swa):
         copied(local_slice(inputs, rank, world_size)).sum().backward()
-    counted = any(optimizer.grad_sync.tracker._counts)
-    untouched = optimizer.shards.comm.pending_param_buckets() == pending and not counted
+    counted = any(bucket.count for bucket in optimizer.shards.buckets)
+    untouched = _pending_gathers(optimizer) == pending and not counted
     mean = [torch.stack(values).mean(dim=0) for values in zip(*snapshots, strict=True)]
     return {
         "same_outputs": same_outputs,
@@ -196,6 +196,10 @@ def _copies() -> dict:
         "mean": mean,
         "pending": pending,
     }
+
+
+def _pending_gathers(optimizer: ShardingStage1) -> list[int]:
+    return [bucket.index for bucket in optimizer.shards.buckets if bucket.param_sync_pending]
 
 
 # -- 5. writes right after step() -------------------------------------------------------------
@@ -208,7 +212,7 @@ def _writes_after_step() -> dict:
     result: dict = {}
     with mock.patch.object(collectives, "all_gather", _late_all_gather):
         _train(model, optimizer, 1)
-        assert optimizer.shards.comm.pending_param_buckets()
+        assert _pending_gathers(optimizer)
         saved = {name: value.clone() for name, value in model.state_dict().items()}
         optimizer.sync_params()
         result["state_dict_final"] = all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
