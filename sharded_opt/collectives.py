@@ -2,10 +2,11 @@
 
 Note [Reduce-scatter on gloo]
     On CPU tensors, gloo's own collectives do not reach the wire limit: its reduce-scatter is a
-    full all-reduce that keeps a slice (DDP's bytes for half the result), its all-gather costs
-    ~1.5x the limit on a shaped link and ``all_to_all_single`` 2x (its two directions do not
-    overlap there), while ``isend``/``irecv`` pairs posted together run both directions at once
-    and sit at the limit (/work/shared/MACHINE_NOTES.md, gloo table). With
+    full all-reduce that keeps a slice (DDP's bytes for half the result), its all-gather stays
+    above the limit on a shaped link and ``all_to_all_single`` further above it (its two
+    directions do not overlap there), while ``isend``/``irecv`` pairs posted together run both
+    directions at once and sit at the limit (one bucket on 2 ranks:
+    ``benchmarks/results/2026-12-07-figures-from-library-notes.md``, gloo table). With
     ``ShardingConfig.gloo_point_to_point`` both collectives of CPU tensors on gloo run over
     point-to-point instead, every message posted at once (the pairwise exchange: at step k a
     rank sends to rank + k and receives from rank - k, for every k at the same time):
@@ -30,38 +31,32 @@ Note [Reduce-scatter on gloo]
     may be in flight on one group at once: point-to-point messages pair up by (peer, tag) in
     the order they were posted, and every rank posts the same collectives in the same order.
 
-    Measured here (benchmarks/results/2026-12-03-gloo-p2p-cpu-2core.md; 2 ranks, the default
-    GPT's 13 buckets, 12.4 MiB, all in flight at once as in a step; interleaved medians on a
-    loaded machine): on a 200 Mbit/s link, where 261 ms is the wire limit of each, the
-    reduce-scatter took 307-323 ms against 312-355 ms for the all-to-all and the all-gather
-    279-302 against 288-332 ms for gloo's: 2-9%, not the 2x and 1.5x of a single bucket,
-    because with many buckets in flight gloo's collectives already overlap each other's
-    directions. On loopback the
-    all-gather is twice as fast (8.8 against 17.6 ms), the reduce-scatter was 20-30% slower in
-    two of three runs (23.2 against 19.1 ms): the helper thread and the copy of the own slice
-    against gloo's all-to-all, which sums on its own worker thread. Both together were faster in
-    every run, on the link and on loopback.
+    With all of a step's buckets in flight at once, point-to-point gains far less on a shaped
+    link than one bucket suggests, because gloo's collectives then already overlap each other's
+    directions. On loopback the point-to-point all-gather wins, while the reduce-scatter can
+    lose: the helper thread and the copy of the own slice against gloo's all-to-all, which sums
+    on its own worker thread. Both together won in every run, on the link and on loopback
+    (``benchmarks/results/2026-12-03-gloo-p2p-cpu-2core.md``, the interleaved probe).
 
     The receive buffer is allocated per call on purpose: persistent per-bucket buffers were
-    within the noise of per-call ones in every run (faster in three, slower in two), and they
-    would cost a permanent extra copy of every grad bucket, +4 bytes per fp32 param on every
-    rank (ZeRO-1's optimizer state is 12/N). A per-call buffer lives only while its bucket is in
-    flight, and the communicator bounds how many are (Note [Bounded receive buffers] in
-    ``bucket_comm``).
+    within the noise of per-call ones (the sign of the difference changed from run to run, same
+    file), and they would cost a permanent extra copy of every grad bucket, +4 bytes per fp32
+    param on every rank (ZeRO-1's optimizer state is 12/N). A per-call buffer lives only while
+    its bucket is in flight, and the communicator bounds how many are
+    (Note [Bounded receive buffers] in ``bucket_comm``).
 
     Why it is not the default: gloo posts a message from the calling thread and, on loopback,
-    copies it there (``gloo:send``/``gloo:recv`` take 0.6-0.9 ms each on the training thread in
-    a profile of the default GPT, ~20 ms per backward and ~18 ms per step for 13 buckets), where
-    its collectives do that work on their own worker threads. Measured side by side on an idle
-    machine (``python -m benchmarks.compare --modes ddp,sync,overlap --rounds 6 --steady-rounds
-    3 --no-memory``, two runs each, alternated): overlap/DDP 1.072 and 1.093 with the
-    collectives, 1.217 and 1.215 with point-to-point. Over the slow link point-to-point won only
-    while the presence flags shared the reductions' group and kept a single all-to-all on the
-    wire; with the flags on a group of their own (Note [Presence per bucket] in
-    ``grad_presence``) the comm-bound preset (``--preset comm-bound``, 200 Mbit/s, two runs back
-    to back) ran overlap at 769 ms per step with the collectives and 883 ms with point-to-point
-    (``--gloo-p2p``). So the collectives are the default; the option stays for links where a
-    single in-flight collective per direction is the limit.
+    copies it there (``gloo:send``/``gloo:recv`` spans on the training thread in a profile of
+    the default GPT), where its collectives do that work on their own worker threads, so on one
+    machine overlap mode's step was slower against DDP with point-to-point
+    (``benchmarks/results/2026-12-03-gloo-p2p-cpu-2core.md``, the section on making it
+    opt-in). Over the slow link point-to-point won only while the presence flags shared the
+    reductions' group and kept a single all-to-all on the wire; with the flags on a group of
+    their own (Note [Presence per bucket] in ``grad_presence``) the comm-bound preset
+    (``--preset comm-bound`` against ``--gloo-p2p``) ran overlap slower with point-to-point
+    (``benchmarks/results/2026-12-03-presence-group-cpu-2core.md``). So the collectives are the
+    default; the option stays for links where a single in-flight collective per direction is
+    the limit.
 
     gloo with accelerator tensors (two ranks on one GPU in benchmarks/gpu_check.py) keeps the
     all-to-all plus local sum and gloo's all-gather: gloo's send and recv hand the tensor's data
@@ -78,11 +73,10 @@ Note [No Python on gloo's threads]
     without an active exception`` (SIGABRT, exit code -6, instead of the error's exit code 1).
     The helper threads are not daemons, so the interpreter joins them before it finalizes
     (each ends when its collective completes or fails: at most the group's timeout). The price
-    is a thread start per bucket: on the default GPT's 13 buckets, all in flight (``python -m
-    benchmarks.gloo_p2p``, 2 ranks on loopback, interleaved medians, a shared loaded machine),
-    the all-to-all reduce-scatter took 23.1 against 23.2 ms with the callback, then 13.9 against
-    11.3, 14.7 against 13.9 and 17.1 against 15.2 ms: up to 0.2 ms per bucket. Accelerator
-    tensors on gloo keep the callback: their future carries the streams the sum must run on.
+    is a thread start per bucket, small against the reduce-scatter itself on the default GPT's
+    buckets (``python -m benchmarks.gloo_p2p``, against the callback:
+    ``benchmarks/results/2026-12-07-figures-from-library-notes.md``). Accelerator tensors on
+    gloo keep the callback: their future carries the streams the sum must run on.
 
 Note [In-place all-gather on gloo]
     gloo's own all-gather of CPU tensors gathers into a flat buffer of its own, the size of the
@@ -92,16 +86,16 @@ Note [In-place all-gather on gloo]
     broadcast writes into the tensor it is given. So on gloo, CPU tensors are all-gathered as one
     broadcast per rank, each from its slot of the output (the local shard is already a view of
     it) into the same slot everywhere: nothing is allocated, and each rank sends and receives
-    the bytes of an all-gather. Measured on 2 ranks on loopback, all buckets in flight: 8
-    buckets of 16 MiB in 59 against 137 ms for gloo's all-gather, 13 buckets of 1 MiB in 13.2
-    against 19.7 ms, with no transient against 32 and 2.5 MiB. The broadcasts run on gloo's
-    worker threads like its collectives, so the training thread does not copy messages (as it
-    does on the point-to-point path).
+    the bytes of an all-gather. On loopback, all buckets in flight, the broadcasts were faster
+    than gloo's all-gather and left no transient, for big buckets and small ones alike
+    (``benchmarks/results/2026-12-05-peak-memory.md``). The broadcasts run on gloo's worker
+    threads like its collectives, so the training thread does not copy messages (as it does on
+    the point-to-point path).
 
-    But over a slow link the broadcasts are slower: on the emulated 200 Mbit/s link of
-    ``benchmarks.compare --preset comm-bound`` (2 ranks, 13 buckets of about 1 MiB) the sharded
-    collectives alone took 826 ms with them against 641 ms with gloo's all-gather, and overlap
-    fell from 0.90x to 1.14x DDP's step (``benchmarks/results/2026-12-05-compile-cpu-2core.md``).
+    But over a slow link the broadcasts are slower: on the emulated link of ``benchmarks.compare
+    --preset comm-bound`` (2 ranks, 13 buckets of about 1 MiB) the sharded collectives alone
+    took longer with them than with gloo's all-gather, enough to turn overlap from faster than
+    DDP's step to slower (``benchmarks/results/2026-12-05-compile-cpu-2core.md``).
     So buckets below ``BROADCAST_ALL_GATHER_MIN_BYTES`` use gloo's own all-gather: its transient
     copy of such a bucket, two in flight at most, stays within the 16 MiB that the reductions'
     receive buffers are bounded by (Note [Bounded receive buffers] in ``bucket_comm``), so the

@@ -37,11 +37,11 @@ Note [Rendezvous apart from collectives]
     ``init_process_group(timeout=t)`` makes ``t`` the collective timeout and also how long the
     ranks wait for each other to join. Starting a rank (a new interpreter importing torch, a
     fork from a busy forkserver) takes seconds on a loaded machine, so a short collective
-    timeout, which is how a program (or a test) bounds a hang, failed the join instead ("Timed
-    out after 3 seconds waiting for clients. 1/2 clients joined"). So the rendezvous store is
-    made first with its own generous timeout and the group gets the collective timeout. A rank
-    that dies before it joins is reported by the launcher (``spawn`` or torchrun) at once; the
-    others do not have to time out for that."""
+    timeout, which is how a program (or a test) bounds a hang, failed the join instead (torch's
+    "Timed out after ... seconds waiting for clients. 1/2 clients joined"). So the rendezvous
+    store is made first with its own generous timeout and the group gets the collective
+    timeout. A rank that dies before it joins is reported by the launcher (``spawn`` or
+    torchrun) at once; the others do not have to time out for that."""
 
 FAILURE_GRACE_S = 5.0
 """After the first rank fails, how long :func:`spawn` lets the others end on their own before it

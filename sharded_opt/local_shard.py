@@ -14,13 +14,11 @@ Note [Per-param pieces]
     On CPU each piece is further cut into views of at most ``CPU_CHUNK_BYTES``: torch's default
     single-tensor kernels make one pass over memory per element-wise op, and over multi-MiB
     tensors every pass streams from DRAM. Chunks of 1 MiB keep a chunk's param, grad and two Adam
-    moments close to a core's L2 between passes. Measured on this machine (AdamW, one thread, four
-    square ``Linear`` layers, step time against plain torch): 2048 wide, 0.31x with 1 MiB chunks
-    (0.37x with 256 KiB); 800 wide, 0.41x (0.49x). Smaller chunks cost a kernel launch each for
-    nothing once the params fit in L3: 600 wide, 1.11x with 1 MiB chunks and 1.32x with 256
-    KiB (1.06x uncut); the default GPT at world size 1, 1.03x and 1.10x. The math per element is
-    unchanged, so results stay bitwise equal. Accelerators keep one tensor per piece and step
-    them through torch's multi-tensor (foreach) kernels.
+    moments close to a core's L2 between passes; smaller chunks cost a kernel launch each for
+    nothing once the params fit in L3 (both measured against plain torch, per layer width and
+    chunk size, in ``benchmarks/results/2026-12-03-presence-group-cpu-2core.md``, "World size
+    1"). The math per element is unchanged, so results stay bitwise equal. Accelerators keep one
+    tensor per piece and step them through torch's multi-tensor (foreach) kernels.
 
 Note [Master copies]
     With a ``master_dtype`` wider than the params' dtype (fp32 for bf16 params), the pieces view

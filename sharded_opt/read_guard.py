@@ -21,8 +21,9 @@ Note [Reads right after step]
     then leaves at the next wait). The end of the model's forward waits for whatever is still
     pending (buckets of modules the forward skipped, gathered long before), so the mode never
     stays into backward, where the grad hooks' every tensor access would pass through it. Each
-    watched call costs about 3 microseconds of Python, only while all-gathers are pending,
-    i.e. between ``step()`` and the end of the next forward.
+    watched call costs a Python call of the mode's handler, only while all-gathers are pending,
+    i.e. between ``step()`` and the end of the next forward (measured in
+    ``benchmarks/results/2026-12-03-flags-once-cpu-2core.md``, the read guard's cost).
 
     torch's own modules that hand their children's params to one op without calling the
     children (``nn.MultiheadAttention``'s ``out_proj``, the transformer layers' fast path in

@@ -59,15 +59,15 @@ class ShardingConfig:
 
     gloo_point_to_point: bool = False
     """On gloo with CPU tensors, run each bucket's reduce-scatter and all-gather as point-to-point
-    messages posted at once instead of gloo's all-to-all and all-gather. Measured on an emulated
-    200 Mbit/s link (2 ranks, default GPT, 13 buckets): each collective alone was 2-9% faster
-    and still 1.07-1.18x the wire limit, not at it, since with many buckets in flight gloo's
-    collectives already overlap each other's directions; a full training step on that link
-    (``--preset comm-bound``) was slower with it: overlap 883 against 769 ms per step. On one
-    machine it costs the training thread time (gloo posts and copies the messages there):
-    overlap/DDP 1.07-1.09 without, 1.22 with. So it is off; it may help only where a single
-    collective in flight per direction limits the link (not measured). See Note [Reduce-scatter
-    on gloo] in ``sharded_opt/collectives.py`` and ``docs/performance.md``."""
+    messages posted at once instead of gloo's all-to-all and all-gather. On an emulated slow
+    link each collective alone gained little and still did not reach the wire limit, since with
+    many buckets in flight gloo's collectives already overlap each other's directions, and a
+    full training step on that link (``--preset comm-bound``) was slower with it. On one
+    machine it costs the training thread time (gloo posts and copies the messages there). So it
+    is off; it may help only where a single collective in flight per direction limits the link
+    (not measured). See Note [Reduce-scatter on gloo] in ``sharded_opt/collectives.py``; the
+    numbers are in ``benchmarks/results/2026-12-03-gloo-p2p-cpu-2core.md`` and
+    ``benchmarks/results/2026-12-03-presence-group-cpu-2core.md``."""
 
     broadcast_buffers: bool = True
     """DDP's option of the same name: with a model attached, copy every buffer (BatchNorm's

@@ -36,7 +36,8 @@ PROBE_SIZES_BYTES = (128 * 2**10, 512 * 2**10, 2 * 2**20)
 
 IN_FLIGHT = 4
 """Collectives issued before waiting for ``LinkModel.in_flight``: the modes keep several buckets
-in flight, and gloo runs concurrent collectives faster per byte than one alone (MACHINE_NOTES)."""
+in flight, and gloo runs concurrent collectives faster per byte than one alone
+(Note [Reduce-scatter on gloo] in ``sharded_opt/collectives.py``)."""
 
 REPEATS = 3
 WARMUP = 2

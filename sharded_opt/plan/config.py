@@ -20,7 +20,8 @@ class AlphaBeta:
     """Fixed cost of one round: latency plus the launch and handshake of a message."""
     beta_s_per_byte: float
     """Seconds per byte sent: 1 / bandwidth at the wire limit; more where the collective does
-    not reach it (gloo's all-to-all on a link, see MACHINE_NOTES)."""
+    not reach it (gloo's all-to-all on a link: the gloo table of
+    ``benchmarks/results/2026-12-07-figures-from-library-notes.md``)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.alpha_s) and self.alpha_s >= 0):
@@ -52,7 +53,7 @@ class LinkModel:
 
     gloo runs collectives issued together at once, and together they use a link better than one
     alone: a single all-to-all sends one direction after the other, several overlap each other's
-    directions (MACHINE_NOTES; Note [Reduce-scatter on gloo]). So a collective issued while the
+    directions (Note [Reduce-scatter on gloo]). So a collective issued while the
     link is idle (overlap's reduce-scatters, issued one by one in backward) costs ``alone``, one
     issued behind others (sync's, every all-gather batch) costs ``in_flight``.
     """
@@ -63,8 +64,9 @@ class LinkModel:
     @classmethod
     def stated(cls, gbps: float, latency_us: float = 0.0) -> LinkModel:
         """A link of ``gbps`` Gbit/s each way and ``latency_us`` per message, every collective at
-        its wire limit. gloo's collectives do not reach it on a real link (MACHINE_NOTES: its
-        all-to-all costs about 2x, its all-gather 1.5x); ``--calibrate`` measures what they do.
+        its wire limit. gloo's collectives do not reach it on a real link (its all-to-all least
+        of all; the gloo table of ``benchmarks/results/2026-12-07-figures-from-library-notes.md``);
+        ``--calibrate`` measures what they do.
 
         Raises:
             ValueError: ``gbps`` not > 0 or ``latency_us`` < 0.
