@@ -57,6 +57,7 @@ _OUTSIDE_PATH = re.compile(r"(?:/tmp/|/work/|/home/|\.\./shared|MACHINE_NOTES)")
 
 _RESULTS_FILE = re.compile(r"benchmarks/results/[\w.-]+\.md")
 
+
 def _relative(path: pathlib.Path) -> str:
     return str(path.relative_to(ROOT))
 
