@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+from sharded_opt.bucket import Bucket
 from tests.dist_helper import run_ranks
 from tests.training import (
     ATOL,
@@ -184,9 +185,9 @@ def _record_launch_order() -> tuple[list[int], list[int]]:
     launch: list[int] = []
     start = optimizer.grad_sync.start_bucket_grad_sync
 
-    def recording_start(bucket_index: int) -> None:
-        launch.append(bucket_index)
-        start(bucket_index)
+    def recording_start(bucket: Bucket) -> None:
+        launch.append(bucket.index)
+        start(bucket)
 
     optimizer.grad_sync.start_bucket_grad_sync = recording_start
     for step in range(3):
