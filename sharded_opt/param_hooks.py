@@ -92,12 +92,10 @@ class ParamReadyWaiter:
     (Note [Reads right after step]) and at the end of the model's forward at the latest.
 
     Args:
-        model: the module that holds the optimizer's trainable params (some may live elsewhere).
+        model: the module that holds the optimizer's trainable params (some may live elsewhere;
+            ``check_holds_trained_params`` refused one that holds none).
         buffers: the flat buffers holding the params.
         finish_param_sync: waits for the pending all-gathers of the given buckets (all if None).
-
-    Raises:
-        ValueError: ``model`` holds none of the params the optimizer trains.
     """
 
     def __init__(
@@ -111,13 +109,6 @@ class ParamReadyWaiter:
             for bucket in buffers.plan.buckets
             for slot in bucket.slots
         }
-        owned = {id(param) for param in model.parameters()}
-        if not any(id(buffers.params[index]) in owned for index in buffers.laid_out_indices):
-            raise ValueError(
-                "ShardingStage1.attach expects the model whose params the optimizer trains but "
-                f"{type(model).__name__}.parameters() holds none of them; attach the model the "
-                "optimizer was built from (each wrapper of a GAN takes its own network)"
-            )
         self._buffers = buffers
         self._finish_param_sync = finish_param_sync
         names = {id(param): name for name, param in model.named_parameters()}
@@ -213,9 +204,6 @@ class ParamReadyWaiter:
                 "forward (param.copy_, torch.nn.init, an EMA copy-back); model.load_state_dict() "
                 "waits by itself"
             )
-
-    def remove_hooks(self) -> None:
-        remove_handles(self.handles)
 
     def _wait_for(self, buckets: tuple[int, ...], module: nn.Module, *hook_args: object) -> None:
         self.finish(buckets)
