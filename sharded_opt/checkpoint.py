@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from sharded_opt.checkpoint_pieces import ParamPiece, PieceLoadPlanner, PieceSavePlanner
 from sharded_opt.inner_optimizer import load_param_states, param_states
+from sharded_opt.messages import closed_error
 from sharded_opt.state_dict import describe_param_states, local_pieces
-from sharded_opt.validation import closed_error
 
 if TYPE_CHECKING:
     from sharded_opt.optimizer import ShardingStage1

@@ -43,7 +43,7 @@ Note [Reduce-scatter on gloo]
     file), and they would cost a permanent extra copy of every grad bucket, +4 bytes per fp32
     param on every rank (ZeRO-1's optimizer state is 12/N). A per-call buffer lives only while
     its bucket is in flight, and the communicator bounds how many are
-    (Note [Bounded receive buffers] in ``bucket_comm``).
+    (Note [Bounded receive buffers] in ``comm_context``).
 
     Why it is not the default: gloo posts a message from the calling thread and, on loopback,
     copies it there (``gloo:send``/``gloo:recv`` spans on the training thread in a profile of
@@ -98,11 +98,11 @@ Note [In-place all-gather on gloo]
     DDP's step to slower (``benchmarks/results/2026-12-05-compile-cpu-2core.md``).
     So buckets below ``BROADCAST_ALL_GATHER_MIN_BYTES`` use gloo's own all-gather: its transient
     copy of such a bucket, two in flight at most, stays within the 16 MiB that the reductions'
-    receive buffers are bounded by (Note [Bounded receive buffers] in ``bucket_comm``), so the
+    receive buffers are bounded by (Note [Bounded receive buffers] in ``comm_context``), so the
     memory promise holds and only big buckets, where the copy would cost memory, broadcast.
 
 Note [Widening on receipt]
-    bf16 grads are reduced in fp32 (Note [Mixed precision] in ``bucket_comm``). Where the slices
+    bf16 grads are reduced in fp32 (Note [Mixed precision] in ``bucket``). Where the slices
     are summed here on the host (CPU tensors on gloo, both paths above), they travel in bf16 and
     are widened while summed: ``torch.sum(..., dtype=float32)`` over the N received bf16 slices
     is bitwise the sum over their fp32 casts in the same order (each bf16 value is exact in fp32,

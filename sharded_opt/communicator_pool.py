@@ -1,18 +1,21 @@
-"""The process groups of dropped wrappers, reused by the next wrapper over the same ranks.
+"""The wrapper's own process groups from creation to destruction: each wrapper communicates on
+groups of its own (Note [One communicator per wrapper]), a dropped wrapper's groups are reused
+by the next wrapper over the same ranks (the pool), and ``close()`` destroys them (Note
+[Releasing a wrapper's groups]).
 
 Note [Reusing a dropped wrapper's groups]
-    Every wrapper communicates on groups of its own (Note [One communicator per wrapper] in
-    ``validation``), and each group holds threads and sockets (gloo: about six threads a
-    wrapper) and, on NCCL, device memory, until it is destroyed. Nobody calls ``close()`` on a
-    torch optimizer, so a process that builds a wrapper per phase or per trial and drops it
-    would pile up groups without end (measured before this pool: 100 wrappers dropped in a loop
-    on 2 gloo ranks left 605 threads and 201 groups per rank). Here a dropped wrapper's groups
-    go back to a pool when the wrapper is collected, and the next wrapper with the same *key*
-    (its ranks, backend, timeout, hybrid grid and torch's debug level: everything its groups
-    are made from) takes them instead of creating new ones. The groups then number as many as
-    the most wrappers of a key alive at once. A construction that finds no entry free pays one
-    full garbage collection (its cost grows with the process's live objects), and ``close()``
-    avoids that: it destroys the groups or gives them back at once.
+    Every wrapper communicates on groups of its own (Note [One communicator per wrapper]), and each
+    group holds threads and sockets (gloo: about six threads a wrapper) and, on NCCL, device
+    memory, until it is destroyed. Nobody calls ``close()`` on a torch optimizer, so a process that
+    builds a wrapper per phase or per trial and drops it would pile up groups without end (measured
+    before this pool: 100 wrappers dropped in a loop on 2 gloo ranks left 605 threads and 201
+    groups per rank). Here a dropped wrapper's groups go back to a pool when the wrapper is
+    collected, and the next wrapper with the same *key* (its ranks, backend, timeout, hybrid grid
+    and torch's debug level: everything its groups are made from) takes them instead of creating
+    new ones. The groups then number as many as the most wrappers of a key alive at once. A
+    construction that finds no entry free pays one full garbage collection (its cost grows with the
+    process's live objects), and ``close()`` avoids that: it destroys the groups or gives them back
+    at once.
 
     Whether an entry is free is a fact of each rank: the wrapper lives in reference cycles and
     is collected by the garbage collector, which runs at different times on each rank. So the
@@ -25,14 +28,14 @@ Note [Reusing a dropped wrapper's groups]
     so every rank of a key holds as many, in the same order.
 
     Collectives pair up in issue order, so reusing a group is safe exactly when the dropped
-    wrapper's collectives on it were issued alike on every rank (its last all-gathers, a
-    reduction started by a backward that no ``step()`` followed): the new wrapper's collectives
-    queue behind them and pair with their counterparts. Two wrappers alive at once never hold
-    the same entry. A wrapper closed by an exception (the end of a ``with`` block) may have
-    left collectives that some rank never issued, so its entry is withheld: never given back.
-    ``close()`` destroys the groups where that is safe and takes the entry out of the pool
-    (Note [Releasing a wrapper's groups] in ``validation``); for a wrapper over a strict subgroup,
-    whose groups cannot be destroyed safely, ``close()`` gives them back to the pool instead.
+    wrapper's collectives on it were issued alike on every rank (its last all-gathers, a reduction
+    started by a backward that no ``step()`` followed): the new wrapper's collectives queue behind
+    them and pair with their counterparts. Two wrappers alive at once never hold the same entry. A
+    wrapper closed by an exception (the end of a ``with`` block) may have left collectives that
+    some rank never issued, so its entry is withheld: never given back. ``close()`` destroys the
+    groups where that is safe and takes the entry out of the pool (Note [Releasing a wrapper's
+    groups]); for a wrapper over a strict subgroup, whose groups cannot be destroyed safely,
+    ``close()`` gives them back to the pool instead.
 
     The pool is process-wide state, which the library otherwise avoids, because what it stands
     for is: torch's own registry of groups is process-wide. It is kept per default process group,
@@ -51,6 +54,8 @@ from typing import Generic, TypeVar
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from sharded_opt.collectives import collective_timeout
 
 GroupsT = TypeVar("GroupsT")
 
@@ -129,3 +134,82 @@ def _free_everywhere(entries: list[_Entry], agree_over: Sequence[ProcessGroup]) 
         dist.all_gather_object(everyone, free, group=group)
         free = set.intersection(*(theirs or set() for theirs in everyone))
     return min(free, default=None)
+
+
+def new_communicator(ranks: list[int], like: ProcessGroup, local: bool) -> ProcessGroup:
+    """A new group of the global ``ranks`` with ``like``'s backend and timeout; ``local``: created
+    by its members only.
+
+    Note [One communicator per wrapper]
+        Collectives on one process group pair up across ranks in issue order, whoever issued them.
+        Two wrappers on the same group (a GAN's generator and discriminator, say) issue their
+        overlap-mode reductions from backward hooks, and ranks that run the two backwards in
+        different orders would pair one wrapper's collective with the other's: silently wrong
+        numbers for equal sizes, an abort for different ones. So each wrapper communicates on a
+        group of its own with the same ranks, backend and timeout as the user's group; every
+        collective of the wrapper (bucket reductions and all-gathers, clipping norms, the scaler's
+        inf flag, state dicts, checkpoints, the initial broadcast) then runs on it and is ordered
+        only against its own kind. The one exception is the agreement at construction on which of
+        the pool's groups to take (Note [Reusing a dropped wrapper's groups]): it runs on the
+        user's group, where construction, being collective, has the same place among the user's
+        collectives on every rank. Two wrappers alive at once never share a group; a wrapper built
+        after another was dropped may take over its groups.
+
+        Over the whole world, a new group is created by every rank together (every rank builds
+        the wrapper), and torch names it by a counter of groups created so far, the same on
+        every rank. Over a subgroup, ``use_local_synchronization=True`` lets only the members
+        take part; torch then names the group after its ranks and the number of groups this
+        process belongs to, so members must belong to equally many groups (a group a rank is
+        not in does not count: ``new_group([0])`` on two ranks would make the names differ);
+        otherwise the creation waits and fails after the group's timeout. One group per
+        wrapper, none per step (on gloo a second one carries the presence flags, Note
+        [Presence per bucket] in ``grad_presence``); a dropped wrapper gives them back for the
+        next one and ``close()`` destroys them, see Note [Releasing a wrapper's groups].
+    """
+    return dist.new_group(
+        ranks=ranks,
+        timeout=collective_timeout(like),
+        backend=dist.get_backend(like),
+        use_local_synchronization=local,
+    )
+
+
+def groups_can_be_destroyed(world: ProcessGroup) -> bool:
+    """Whether ``close()`` destroys the wrapper's groups: those over the whole world, while the
+    default group lives (Note [Releasing a wrapper's groups])."""
+    return dist.is_initialized() and dist.get_world_size(world) == dist.get_world_size()
+
+
+def release_communicators(groups: list[ProcessGroup]) -> None:
+    """Destroy the wrapper's own ``groups`` (in the same order on every rank), once every rank
+    has finished with them (collective).
+
+    Note [Releasing a wrapper's groups]
+        Each group holds threads and sockets (gloo: about six threads a group, twice that under
+        ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) until it is destroyed. A dropped wrapper's groups go
+        back to a pool and the next wrapper over the same ranks takes them (Note [Reusing a dropped
+        wrapper's groups]), so a loop that builds wrappers without closing them stays bounded by
+        the most wrappers alive at once. ``close()`` goes further and destroys them now, after a
+        barrier on each: a rank may destroy a group only when no peer still waits on it, and the
+        barrier also completes every collective issued before it on that group (the last
+        all-gathers, a reduction started by a backward that no ``step()`` followed). Hence
+        ``close()`` is collective, like ``destroy_process_group``.
+
+        Only groups over the whole world are destroyed. torch names those by a counter that
+        never repeats; a group created by its members only (a wrapper over a strict subgroup)
+        is named after its ranks and the number of live groups, so destroying it would let
+        the next such group take the same name, and that group's rendezvous reads the stale
+        keys the old one left in the store and hangs (measured: the second of two [0, 1]
+        groups created and destroyed in turn on three ranks never connects). ``close()`` gives
+        those back to the pool instead: the next wrapper over the same ranks reuses them, so
+        they do not pile up either, and they go when the default group is destroyed.
+    """
+    for group in groups:
+        try:
+            dist.barrier(group=group)
+        except RuntimeError as error:
+            raise RuntimeError(
+                "ShardingStage1.close() is collective: call it on every rank of the wrapper. "
+                f"This rank waited for the others at close() and gave up ({error})"
+            ) from error
+        dist.destroy_process_group(group)

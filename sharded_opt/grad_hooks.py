@@ -116,7 +116,7 @@ from torch.utils.hooks import RemovableHandle
 from fusion.buffers import FlatBuffers
 from sharded_opt.backward_end import BackwardEnd
 from sharded_opt.bucket import Bucket
-from sharded_opt.validation import DROP_DDP
+from sharded_opt.messages import DROP_DDP
 from sharded_opt.weak_hooks import CopiesAsInert, register_accumulate_hook, remove_handles, retire_hooks
 
 _requires_grad = operator.attrgetter("requires_grad")

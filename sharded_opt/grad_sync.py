@@ -59,9 +59,9 @@ from sharded_opt import collectives
 from sharded_opt.bucket import Bucket, finish_grad_syncs
 from sharded_opt.grad_hooks import GradReadyTracker
 from sharded_opt.grad_presence import GradPresence
+from sharded_opt.messages import DROP_DDP
 from sharded_opt.optimizer_shards import OptimizerShards
 from sharded_opt.step_grads import StepGrads
-from sharded_opt.validation import DROP_DDP
 
 
 class GradSync:

@@ -16,7 +16,7 @@ Note [Hybrid sharding]
     when the grid covers only part of the world (a ``process_group`` or mesh over some ranks),
     each rank creates only its own row and column, by their members alone (each member then
     belongs to equally many groups, which torch's naming of such groups needs). Like the
-    wrapper's own communicator (Note [One communicator per wrapper] in ``validation``)
+    wrapper's own communicator (Note [One communicator per wrapper] in ``communicator_pool``)
     they are groups of the wrapper's own, so its collectives never pair with anyone else's;
     they are created together with it and reused with it by a later wrapper of the same grid
     (Note [Reusing a dropped wrapper's groups] in ``communicator_pool``).
@@ -35,8 +35,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from sharded_opt.collectives import backend_for_device, collective_timeout
-from sharded_opt.communicator_pool import CommunicatorLease, lease_groups
-from sharded_opt.validation import new_communicator, user_group
+from sharded_opt.communicator_pool import CommunicatorLease, lease_groups, new_communicator
+from sharded_opt.validation import user_group
 
 
 @dataclass(frozen=True, slots=True)

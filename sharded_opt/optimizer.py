@@ -36,24 +36,21 @@ from torch.utils.hooks import RemovableHandle
 
 from sharded_opt.bucket import Bucket
 from sharded_opt.collective_guard import EntryGuard
+from sharded_opt.communicator_pool import groups_can_be_destroyed, release_communicators
 from sharded_opt.grad_clipping import GradClipping
 from sharded_opt.grad_sync import GradSync
 from sharded_opt.hybrid_groups import lease_shard_groups
+from sharded_opt.messages import closed_error
 from sharded_opt.param_guard import ParamGuard
 from sharded_opt.param_sync import ParamSync
 from sharded_opt.state_dict import StateDictExchange
 from sharded_opt.state_view import ShardedStateView
 from sharded_opt.step_pipeline import StepPipeline, amp_scaling_arguments
 from sharded_opt.strategy import Strategy
-from sharded_opt.validation import (
-    check_same_layout,
-    closed_error,
-    groups_can_be_destroyed,
-    release_communicators,
-)
+from sharded_opt.validation import check_same_layout
 from sharded_opt.weak_hooks import remove_handles
 from sharded_opt.wrapped_guard import ADD_GROUPS_FIRST, WrappedOptimizerGuard
-from sharded_opt.wrapper_init import ModelAttacher, build_shards, check_locally, plan_buckets
+from sharded_opt.wrapper_init import AttachedModel, ModelAttacher, build_shards, check_locally, plan_buckets
 
 
 class ShardingStage1(torch.optim.Optimizer):
@@ -77,7 +74,7 @@ class ShardingStage1(torch.optim.Optimizer):
             to the object do not affect this wrapper.
         process_group: ranks to shard over; default the whole world. The wrapper communicates
             on a group of its own over the same ranks (``self.process_group``; Note [One
-            communicator per wrapper] in ``sharded_opt/validation.py``).
+            communicator per wrapper] in ``sharded_opt/communicator_pool.py``).
         model: the module that holds the params (some may live outside it, such as a loss
             module's). In overlap mode its modules then wait for their own params only, see
             :meth:`attach`.
@@ -151,11 +148,9 @@ class ShardingStage1(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self._layout_frozen = True
         self._track_hooks()
-        self._attacher = ModelAttacher(
-            self.shards, self._param_sync, self._param_guard, self._hook_handles, config
-        )
+        self._attacher = ModelAttacher(self.shards, self._param_guard, config)
         if model is not None:
-            self._attacher.install(model)  # checked by check_locally, before any collective
+            self._take_over(self._attacher.install(model))  # checked by check_locally, before any collective
         self._wrapped_guard = WrappedOptimizerGuard(self, optimizer)
         self._hook_handles += self._wrapped_guard.wrapper_handles
 
@@ -284,12 +279,12 @@ class ShardingStage1(torch.optim.Optimizer):
                 it makes sparse grads for them (``nn.Embedding(sparse=True)``) or renormalizes
                 them in forward (``nn.Embedding(max_norm=...)``), or a model is already attached.
         """
-        self._attacher.attach(model)
+        self._take_over(self._attacher.attach(model))
 
     def close(self) -> None:
         """Wait for the all-gathers in flight, remove every hook and destroy the process groups
         this wrapper created (collective: call it on every rank; Note [Releasing a wrapper's
-        groups] in ``validation``); over a strict subgroup they are kept for the next wrapper
+        groups] in ``communicator_pool``); over a strict subgroup they are kept for the next wrapper
         over the same ranks instead. Calling it again does nothing. A wrapper dropped without
         ``close()`` gives its groups to the next wrapper over the same ranks when it is
         collected, so a loop that drops wrappers stays bounded without it.
@@ -420,6 +415,13 @@ class ShardingStage1(torch.optim.Optimizer):
         )
         # At interpreter exit the process group may be gone; there is nothing to wait for then.
         self._release.atexit = False
+
+    def _take_over(self, attached: AttachedModel) -> None:
+        """Keep the attached model's hooks for ``close()``; in overlap mode, leave the
+        all-gathers to its per-module waits."""
+        self._hook_handles += attached.handles
+        if attached.waiter is not None:
+            self._param_sync.wait_per_module(attached.waiter)
 
     @property
     def closed(self) -> bool:

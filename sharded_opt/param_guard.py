@@ -32,9 +32,11 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fusion.buffers import FlatBuffers
-from sharded_opt.validation import DROP_DDP
+from sharded_opt.messages import DROP_DDP
+from sharded_opt.param_hooks import register_eager_pre_hook
 
 
 class ParamWaiter(Protocol):
@@ -56,8 +58,18 @@ class ParamGuard:
     def __init__(self, buffers: FlatBuffers, params_ready: ParamWaiter) -> None:
         self._buffers = buffers
         self._params_ready = params_ready
-        self.param_names: dict[int, str] = {}
+        self._param_names: dict[int, str] = {}
         """Per param index, its name in the attached model (for the errors)."""
+
+    def watch(self, model: nn.Module) -> RemovableHandle:
+        """Check each forward of the attached ``model`` (:meth:`check_before_forward` as its first
+        forward pre-hook) and name its params in the errors; returns the hook's handle, which
+        ``close()`` removes."""
+        names = {id(param): name for name, param in model.named_parameters()}
+        self._param_names = {
+            index: names[id(param)] for index, param in enumerate(self._buffers.params) if id(param) in names
+        }
+        return register_eager_pre_hook(model, self.check_before_forward)
 
     def take_back_replaced(self) -> None:
         """Take back params whose ``.data`` was replaced, or raise where that cannot be right;
@@ -153,5 +165,5 @@ class ParamGuard:
             )
 
     def _describe_param(self, index: int) -> str:
-        name = self.param_names.get(index)
+        name = self._param_names.get(index)
         return f"{index} (optimizer order{'' if name is None else f', {name!r}'})"

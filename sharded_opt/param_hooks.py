@@ -58,7 +58,7 @@ Under ``torch.compile`` the waits are ops of the graph instead: see Note [torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -67,6 +67,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fusion.buffers import FlatBuffers
 from sharded_opt import collectives
+from sharded_opt.bucket import Bucket
 from sharded_opt.compiled_waits import TRACED_WAITS, GraphWaits
 from sharded_opt.read_guard import ReadGuard
 from sharded_opt.weak_hooks import WeakMethodHook, remove_handles
@@ -92,34 +93,26 @@ class ParamReadyWaiter:
     (Note [Reads right after step]) and at the end of the model's forward at the latest.
 
     Args:
-        model: the module that holds the optimizer's trainable params (some may live elsewhere).
+        model: the module that holds the optimizer's trainable params (some may live elsewhere;
+            ``check_holds_trained_params`` refused one that holds none).
         buffers: the flat buffers holding the params.
-        finish_param_sync: waits for the pending all-gathers of the given buckets (all if None).
-
-    Raises:
-        ValueError: ``model`` holds none of the params the optimizer trains.
+        buckets: the wrapper's buckets, in bucket order, whose all-gathers the hooks wait for (a
+            module's buckets are positions in the layout, ``slot.bucket_index``).
     """
 
     def __init__(
         self,
         model: nn.Module,
         buffers: FlatBuffers,
-        finish_param_sync: Callable[[Iterable[int] | None], None],
+        buckets: Sequence[Bucket],
     ) -> None:
         slot_of_param = {
             id(buffers.params[slot.param_index]): (slot.param_index, slot.bucket_index)
             for bucket in buffers.plan.buckets
             for slot in bucket.slots
         }
-        owned = {id(param) for param in model.parameters()}
-        if not any(id(buffers.params[index]) in owned for index in buffers.laid_out_indices):
-            raise ValueError(
-                "ShardingStage1.attach expects the model whose params the optimizer trains but "
-                f"{type(model).__name__}.parameters() holds none of them; attach the model the "
-                "optimizer was built from (each wrapper of a GAN takes its own network)"
-            )
         self._buffers = buffers
-        self._finish_param_sync = finish_param_sync
+        self._buckets = buckets
         names = {id(param): name for name, param in model.named_parameters()}
         self._names = [names.get(id(param), f"param {index}") for index, param in enumerate(buffers.params)]
         self._gathered_versions: dict[int, tuple[int, ...]] = {}
@@ -190,7 +183,9 @@ class ParamReadyWaiter:
             RuntimeError: a param of these buckets was written while it was being gathered
                 (unless not ``check_writes``).
         """
-        self._finish_param_sync(bucket_indices)
+        buckets = self._buckets
+        for bucket in buckets if bucket_indices is None else (buckets[i] for i in bucket_indices):
+            bucket.finish_param_sync()
         if bucket_indices is None:
             bucket_indices = list(self._gathered_versions)
         written: list[int] = []
@@ -213,9 +208,6 @@ class ParamReadyWaiter:
                 "forward (param.copy_, torch.nn.init, an EMA copy-back); model.load_state_dict() "
                 "waits by itself"
             )
-
-    def remove_hooks(self) -> None:
-        remove_handles(self.handles)
 
     def _wait_for(self, buckets: tuple[int, ...], module: nn.Module, *hook_args: object) -> None:
         self.finish(buckets)

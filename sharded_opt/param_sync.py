@@ -4,21 +4,13 @@ waits that make every read see the updated params.
 The all-gathers are the buckets' own (:class:`~sharded_opt.bucket.Bucket`); with a model
 attached in overlap mode, the per-module waits, the read guard and the check for writes during a
 gather run in ``ParamReadyWaiter`` (Note [No stale params] in ``param_hooks``). This class
-decides which of the two waits, and when. It also holds the broadcasts that make every rank
-start from the first rank's params.
+decides which of the two waits, and when.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed import ProcessGroup
 
-from fusion.buffers import FlatBuffers
-from sharded_opt import collectives
 from sharded_opt.bucket import Bucket, start_param_syncs
 from sharded_opt.comm_context import CommContext
 from sharded_opt.param_hooks import ParamReadyWaiter
@@ -41,8 +33,13 @@ class ParamSync:
         # Forward order is registration order (buckets are laid out in reverse), see
         # Note [No stale params].
         self._gather_order = buckets[::-1]
-        self.waiter: ParamReadyWaiter | None = None
+        self._waiter: ParamReadyWaiter | None = None
         """The attached model's per-module waits (overlap mode); None: ``step()`` waits."""
+
+    def wait_per_module(self, waiter: ParamReadyWaiter) -> None:
+        """From now on leave the all-gathers to the attached model's per-module waits (a model
+        attached in overlap mode), so that ``step()`` returns while they run."""
+        self._waiter = waiter
 
     def start_param_sync(self, buckets: list[Bucket]) -> None:
         """Issue the all-gathers of ``buckets`` in forward order, see Note [Step pipeline] in
@@ -53,28 +50,26 @@ class ParamSync:
         """Buckets whose updated params are still being all-gathered."""
         return [bucket for bucket in self._buckets if bucket.param_sync_pending]
 
-    def finish_buckets(self, bucket_indices: Iterable[int] | None = None) -> None:
-        """Make the current stream (on CPU: the host) wait for the latest all-gathers of the
-        buckets at ``bucket_indices`` in the layout (default: all)."""
-        buckets = self._buckets
-        for bucket in buckets if bucket_indices is None else (buckets[i] for i in bucket_indices):
+    def _finish_all(self) -> None:
+        """Make the current stream (on CPU: the host) wait for every bucket's latest all-gather."""
+        for bucket in self._buckets:
             bucket.finish_param_sync()
 
     def hand_over(self) -> None:
         """At the end of ``step()``: wait for the all-gathers now, or leave them to the next
         forward's per-module waits (not when that forward ran compiled, see Note
         [torch.compile] in ``param_hooks``)."""
-        if self.waiter is None or self.waiter.forward_compiled:
-            self.finish_buckets()
+        if self._waiter is None or self._waiter.forward_compiled:
+            self._finish_all()
         else:
-            self.waiter.gathers_started([bucket.index for bucket in self.pending_buckets()])
+            self._waiter.gathers_started([bucket.index for bucket in self.pending_buckets()])
 
     def finish_param_sync(self) -> None:
         """Wait until every param holds its updated value; see ``ShardingStage1.sync_params``."""
-        if self.waiter is None:
-            self.finish_buckets()
+        if self._waiter is None:
+            self._finish_all()
         else:
-            self.waiter.finish()
+            self._waiter.finish()
 
     def wait_for_params(self, stream: torch.Stream | None) -> None:
         """Make ``stream`` wait for every param; see ``ShardingStage1.wait_for_params``."""
@@ -91,29 +86,3 @@ class ParamSync:
             )
         with on_stream(None if self._comm.stream is None else stream):
             self.finish_param_sync()
-
-
-def first_rank(group: ProcessGroup) -> int:
-    """The global rank of the group's first rank, the source of every broadcast."""
-    return dist.get_global_rank(group, 0)
-
-
-def broadcast_from_first_rank(buffers: FlatBuffers, group: ProcessGroup, world_size: int) -> None:
-    """Make every rank's flat param buffers the first rank's (collective)."""
-    if world_size == 1:
-        return
-    for buffer in buffers.param_buffers:
-        dist.broadcast(buffer, src=first_rank(group), group=group)
-
-
-def broadcast_model_state(
-    model: nn.Module, buffers: FlatBuffers, group: ProcessGroup, world_size: int
-) -> None:
-    """Broadcast what the flat buffers did not cover: frozen params, params the optimizer
-    does not hold, and buffers."""
-    if world_size == 1:
-        return
-    laid_out = {id(buffers.params[index]) for index in buffers.laid_out_indices}
-    tensors = [p for p in model.parameters() if id(p) not in laid_out] + list(model.buffers())
-    if tensors:
-        collectives.broadcast_coalesced(tensors, group, first_rank(group))

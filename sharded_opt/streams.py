@@ -62,7 +62,7 @@ Note [Streams and events]
     tensors). On CPU the first wait blocks the host and host order covers every later reader.
 
     The casts of grads to ``reduce_dtype`` reuse two staging buffers (Note [Bounded staging] in
-    ``bucket_comm``): before the comm stream overwrites one, it waits on the handle of the
+    ``comm_context``): before the comm stream overwrites one, it waits on the handle of the
     reduction that last read it (``Work.wait()`` with the comm stream current), so the host is
     not blocked and the cast is ordered after that collective.
 

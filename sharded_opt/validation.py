@@ -10,8 +10,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from fusion.buffers import FlatBuffers
 from fusion.layout import ParamSpec
-from sharded_opt.collectives import collective_timeout
+from sharded_opt.messages import DROP_DDP
 from sharded_opt.optimizer_needs import (
     ASSUMED_ELEMENTWISE,
     ELEMENTWISE,
@@ -218,11 +219,18 @@ def check_trained_modules(model: nn.Module, params: list[Tensor]) -> None:
             )
 
 
-DROP_DDP = (
-    "Drop the DistributedDataParallel wrapper: build the optimizer over the plain module, pass "
-    "that module as model= and call it in the training loop (README, Coming from DDP)"
-)
-"""The fix for a model wrapped in DDP, also named by the errors a DDP-written grad causes."""
+def check_holds_trained_params(model: nn.Module, buffers: FlatBuffers) -> None:
+    """Refuse a model that holds none of the params the optimizer trains: it is the wrong model
+    (a GAN's generator attached to the discriminator's optimizer), and the one that needs the
+    per-module waits and the initial broadcast would get neither. One that holds only some of
+    them is fine (a loss module's temperature may live outside it)."""
+    owned = {id(param) for param in model.parameters()}
+    if not any(id(buffers.params[index]) in owned for index in buffers.laid_out_indices):
+        raise ValueError(
+            "ShardingStage1.attach expects the model whose params the optimizer trains but "
+            f"{type(model).__name__}.parameters() holds none of them; attach the model the "
+            "optimizer was built from (each wrapper of a GAN takes its own network)"
+        )
 
 
 def _data_parallel_wrappers() -> tuple[type, ...]:
@@ -235,36 +243,8 @@ def _data_parallel_wrappers() -> tuple[type, ...]:
 
 
 def user_group(process_group: ProcessGroup | None) -> ProcessGroup:
-    """The user's group (default: the whole world), checked: the wrapper's own communicator is
-    made over the same ranks.
-
-    Note [One communicator per wrapper]
-        Collectives on one process group pair up across ranks in issue order, whoever issued
-        them. Two wrappers on the same group (a GAN's generator and discriminator, say) issue
-        their overlap-mode reductions from backward hooks, and ranks that run the two backwards
-        in different orders would pair one wrapper's collective with the other's: silently
-        wrong numbers for equal sizes, an abort for different ones. So each wrapper
-        communicates on a group of its own with the same ranks, backend and timeout as the
-        user's group; every collective of the wrapper (bucket reductions and all-gathers,
-        clipping norms, the scaler's inf flag, state dicts, checkpoints, the initial broadcast)
-        then runs on it and is ordered only against its own kind. The one exception is the
-        agreement at construction on which of the pool's groups to take (Note [Reusing a
-        dropped wrapper's groups] in ``communicator_pool``): it runs on the user's group, where
-        construction, being collective, has the same place among the user's collectives on
-        every rank. Two wrappers alive at once never share a group; a wrapper built after
-        another was dropped may take over its groups.
-
-        Over the whole world, a new group is created by every rank together (every rank builds
-        the wrapper), and torch names it by a counter of groups created so far, the same on
-        every rank. Over a subgroup, ``use_local_synchronization=True`` lets only the members
-        take part; torch then names the group after its ranks and the number of groups this
-        process belongs to, so members must belong to equally many groups (a group a rank is
-        not in does not count: ``new_group([0])`` on two ranks would make the names differ);
-        otherwise the creation waits and fails after the group's timeout. One group per
-        wrapper, none per step (on gloo a second one carries the presence flags, Note
-        [Presence per bucket] in ``grad_presence``); a dropped wrapper gives them back for the
-        next one and ``close()`` destroys them, see Note [Releasing a wrapper's groups].
-    """
+    """The user's group (default: the whole world), checked: the wrapper's own communicators are
+    made over the same ranks (Note [One communicator per wrapper] in ``communicator_pool``)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "ShardingStage1 needs an initialized torch.distributed process group; call "
@@ -275,68 +255,6 @@ def user_group(process_group: ProcessGroup | None) -> ProcessGroup:
     if dist.get_rank(group) < 0:
         raise ValueError("ShardingStage1 was given a process_group that this rank is not a member of")
     return group
-
-
-def new_communicator(ranks: list[int], like: ProcessGroup, local: bool) -> ProcessGroup:
-    """A new group of the global ``ranks`` with ``like``'s backend and timeout; ``local``: created
-    by its members only, see Note [One communicator per wrapper]."""
-    return dist.new_group(
-        ranks=ranks,
-        timeout=collective_timeout(like),
-        backend=dist.get_backend(like),
-        use_local_synchronization=local,
-    )
-
-
-def groups_can_be_destroyed(world: ProcessGroup) -> bool:
-    """Whether ``close()`` destroys the wrapper's groups: those over the whole world, while the
-    default group lives (Note [Releasing a wrapper's groups])."""
-    return dist.is_initialized() and dist.get_world_size(world) == dist.get_world_size()
-
-
-def release_communicators(groups: list[ProcessGroup]) -> None:
-    """Destroy the wrapper's own ``groups`` (in the same order on every rank), once every rank
-    has finished with them (collective).
-
-    Note [Releasing a wrapper's groups]
-        Each group holds threads and sockets (gloo: about six threads a group, twice that
-        under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) until it is destroyed. A dropped wrapper's
-        groups go back to a pool and the next wrapper over the same ranks takes them (Note
-        [Reusing a dropped wrapper's groups] in ``communicator_pool``), so a loop that builds
-        wrappers without closing them stays bounded by the most wrappers alive at once.
-        ``close()`` goes further and destroys them now, after a barrier on each: a rank may
-        destroy a group only when no peer still waits on it, and the barrier also completes
-        every collective issued before it on that group (the last all-gathers, a reduction
-        started by a backward that no ``step()`` followed). Hence ``close()`` is collective,
-        like ``destroy_process_group``.
-
-        Only groups over the whole world are destroyed. torch names those by a counter that
-        never repeats; a group created by its members only (a wrapper over a strict subgroup)
-        is named after its ranks and the number of live groups, so destroying it would let
-        the next such group take the same name, and that group's rendezvous reads the stale
-        keys the old one left in the store and hangs (measured: the second of two [0, 1]
-        groups created and destroyed in turn on three ranks never connects). ``close()`` gives
-        those back to the pool instead: the next wrapper over the same ranks reuses them, so
-        they do not pile up either, and they go when the default group is destroyed.
-    """
-    for group in groups:
-        try:
-            dist.barrier(group=group)
-        except RuntimeError as error:
-            raise RuntimeError(
-                "ShardingStage1.close() is collective: call it on every rank of the wrapper. "
-                f"This rank waited for the others at close() and gave up ({error})"
-            ) from error
-        dist.destroy_process_group(group)
-
-
-def closed_error(caller: str) -> str:
-    """The message for a call on a closed wrapper: its hooks, and groups it created, are gone."""
-    return (
-        f"{caller}: this ShardingStage1 was closed (close() or the end of its `with` block); its hooks "
-        "and the process groups it created are gone. Save state (state_dict(), save_checkpoint) "
-        "before closing, or build a new ShardingStage1 over the same optimizer to keep training"
-    )
 
 
 def check_same_layout(specs: list[ParamSpec], group: ProcessGroup, world_size: int) -> None:

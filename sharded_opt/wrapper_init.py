@@ -5,6 +5,7 @@ rank's shards and inner optimizer, and the hooks on an attached model."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -16,15 +17,21 @@ from fusion.layout import LayoutPlan, ParamSpec, plan_layout
 from sharded_opt.bucket import build_buckets
 from sharded_opt.comm_context import CommContext
 from sharded_opt.hybrid_groups import ShardGroups
+from sharded_opt.initial_broadcast import broadcast_from_first_rank, broadcast_model_state, first_rank
 from sharded_opt.inner_optimizer import build_inner_optimizer, check_steps
 from sharded_opt.local_shard import BucketPrecision, resolve_precision
 from sharded_opt.optimizer_needs import OptimizerNeeds
 from sharded_opt.optimizer_shards import OptimizerShards, ParamGroupsOwner
 from sharded_opt.param_guard import ParamGuard
-from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter, register_eager_pre_hook
-from sharded_opt.param_sync import ParamSync, broadcast_from_first_rank, broadcast_model_state, first_rank
+from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter
 from sharded_opt.strategy import ShardingConfig, Strategy
-from sharded_opt.validation import TORCH_OPTIMIZERS, check_optimizer, check_trained_modules, collect_params
+from sharded_opt.validation import (
+    TORCH_OPTIMIZERS,
+    check_holds_trained_params,
+    check_optimizer,
+    check_trained_modules,
+    collect_params,
+)
 
 
 def check_locally(
@@ -145,34 +152,35 @@ def build_shards(
     return OptimizerShards(plan, buffers, comm, buckets, inner, owner, groups)
 
 
+@dataclass(frozen=True, slots=True)
+class AttachedModel:
+    """What attaching a model put in place, for the wrapper to take over (``ShardingStage1``
+    keeps the handles for ``close()`` and gives the waiter to ``ParamSync``)."""
+
+    handles: list[RemovableHandle]
+    """Every hook installed on the model."""
+    waiter: ParamReadyWaiter | None
+    """The per-module waits for the all-gathers (overlap mode); None in sync mode, where
+    ``step()`` waits for every all-gather itself."""
+
+
 class ModelAttacher:
     """Puts the hooks of an attached model in place (``ShardingStage1.attach``): the per-module
     waits for the all-gathers (overlap mode, Note [No stale params] in ``param_hooks``), the
-    check of each forward with grad (``ParamGuard.check_before_forward``) and DDP's buffer
-    broadcast; and makes the model start equal on every rank.
+    check of each forward with grad (``ParamGuard.watch``) and DDP's buffer broadcast; and
+    makes the model start equal on every rank. It sets nothing on the wrapper's other objects:
+    it returns what it installed (:class:`AttachedModel`).
 
     Args:
         shards: the flat buffers the model's params are views of.
-        param_sync: takes the per-module waits.
         param_guard: checks each forward and names the model's params in its errors.
-        handles: the wrapper's hook handles, which ``close()`` removes; every hook installed here
-            goes in.
         config: ``enable_overlap`` (forwards wait per module; otherwise ``step()`` waits for
             every all-gather) and ``broadcast_buffers`` (before each forward with grad, as DDP).
     """
 
-    def __init__(
-        self,
-        shards: OptimizerShards,
-        param_sync: ParamSync,
-        param_guard: ParamGuard,
-        handles: list[RemovableHandle],
-        config: ShardingConfig,
-    ) -> None:
+    def __init__(self, shards: OptimizerShards, param_guard: ParamGuard, config: ShardingConfig) -> None:
         self._shards = shards
-        self._param_sync = param_sync
         self._param_guard = param_guard
-        self._handles = handles
         self._overlap = config.enable_overlap
         self._broadcast_buffers = config.broadcast_buffers
         self._buffer_broadcaster: BufferBroadcaster | None = None
@@ -180,32 +188,30 @@ class ModelAttacher:
         self._attached = False
         """A model was installed (in sync mode too, where no per-module waiter is kept)."""
 
-    def attach(self, model: nn.Module) -> None:
+    def attach(self, model: nn.Module) -> AttachedModel:
         """``ShardingStage1.attach``: refuse a second model or one the wrapper cannot serve, then
         :meth:`install` it."""
         if self._attached:
             raise ValueError("ShardingStage1.attach: a model is already attached to this optimizer")
         check_trained_modules(model, self._shards.buffers.params)
-        self.install(model)
+        return self.install(model)
 
-    def install(self, model: nn.Module) -> None:
+    def install(self, model: nn.Module) -> AttachedModel:
         """Install the hooks on ``model`` and broadcast its params and buffers from the first rank
         (collective); the model was checked (``check_trained_modules``)."""
         buffers = self._shards.buffers
         group, world_size = self._shards.groups.world, self._shards.groups.world_size
-        waiter = ParamReadyWaiter(model, buffers, self._param_sync.finish_buckets)
+        check_holds_trained_params(model, buffers)
         self._attached = True
-        names = {id(param): name for name, param in model.named_parameters()}
-        self._param_guard.param_names = {
-            index: names[id(param)] for index, param in enumerate(buffers.params) if id(param) in names
-        }
-        self._handles.append(register_eager_pre_hook(model, self._param_guard.check_before_forward))
         broadcast_model_state(model, buffers, group, world_size)
+        # The hooks go on after the broadcast, the one step here that can fail (a collective), so
+        # that they reach the wrapper (and ``close()``) or are not installed at all. The waiter's
+        # go on before the guard's: both are prepended, so the guard's check runs first.
+        waiter = ParamReadyWaiter(model, buffers, self._shards.buckets) if self._overlap else None
+        handles = [self._param_guard.watch(model)]
         if self._broadcast_buffers and world_size > 1 and next(model.buffers(), None) is not None:
             self._buffer_broadcaster = BufferBroadcaster(model, group, first_rank(group))
-            self._handles += self._buffer_broadcaster.handles
-        if self._overlap:
-            self._param_sync.waiter = waiter
-            self._handles += waiter.handles
-        else:
-            waiter.remove_hooks()
+            handles += self._buffer_broadcaster.handles
+        if waiter is not None:
+            handles += waiter.handles
+        return AttachedModel(handles, waiter)
