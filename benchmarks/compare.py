@@ -32,7 +32,7 @@ class (benchmarks/results/2026-12-04-muon.md).
 named): DDP compiled whole (Dynamo cuts it at DDP's buckets), the sharded modes with the model
 attached and ``sharded_opt.compile_backend`` around the named backend, which cuts the graph at the
 wrappers' buckets (Note [Graph cuts at buckets]); their graph waits for each param's all-gather
-before its first read (Note [torch.compile] in ``sharded_opt/compiled_waits.py``). Compare its
+before its first read (Note [torch.compile] in ``sharded_opt/model_hooks/compiled_waits.py``). Compare its
 ratios with an eager run of the same command (benchmarks/results/).
 """
 

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from benchmarks.models import MODEL_NAMES, build_model
 from benchmarks.netns import LinkConfig, link_group, link_unavailable_reason, parse_link, shaped_link
-from sharded_opt import ShardingStage1, collectives, spawn
+from sharded_opt import ShardingStage1, spawn
+from sharded_opt.comm import collectives
 
 
 def _variants(opt: ShardingStage1) -> dict[str, Callable[[], None]]:

@@ -52,7 +52,8 @@ from torch import Tensor, nn
 
 from benchmarks.models import GPT, PRESETS, GPTConfig
 from benchmarks.trace_analysis import TraceEvent, analyze, load_chrome_trace
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives, spawn
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy, spawn
+from sharded_opt.comm import collectives
 
 SLEEP_CYCLES = 20_000_000
 """About 10 ms of ``torch.cuda._sleep`` at an H100/H200's ~2 GHz: longer than any kernel of

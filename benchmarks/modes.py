@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.models import build_model, hidden_matrix_names
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, compile_backend
-from sharded_opt.bucket import finish_grad_syncs, start_param_syncs
+from sharded_opt.step.bucket import finish_grad_syncs, start_param_syncs
 
 MODES = ("ddp", "zero", "sync", "overlap", "hybrid")
 """Measured modes, in the interleaving order A B C D E. ``hybrid`` (ShardingStage1 overlap with
@@ -340,7 +340,7 @@ def comm_bytes_per_step(runner: Runner, world_size: int) -> dict[str, float]:
     gloo's own reduce-scatter is a full all-reduce; ShardingStage1 therefore reduce-scatters CPU
     tensors on gloo as an all-to-all plus a local sum, and with ``gloo_point_to_point`` runs both
     collectives as point-to-point messages; either way each sends the same (N-1)/N * B (see
-    Note [Reduce-scatter on gloo] in sharded_opt/collectives.py).
+    Note [Reduce-scatter on gloo] in sharded_opt/comm/collectives.py).
     """
     if world_size == 1 or runner.name == COMPUTE_ONLY:
         return {"payload": 0.0, "wire_per_rank": 0.0}

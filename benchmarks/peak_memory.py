@@ -84,7 +84,7 @@ def formula_bytes_per_param(mode: str, world_size: int) -> float:
 def in_flight_bytes_per_param(run: MemoryRun) -> float:
     """What overlap mode holds beyond the formula by design: one bucket's reduction in flight
     during backward, its receive buffer the bucket's size (Note [Bounded receive buffers] in
-    ``sharded_opt/comm_context.py``), next to the grad autograd is producing. Zero otherwise."""
+    ``sharded_opt/comm/comm_context.py``), next to the grad autograd is producing. Zero otherwise."""
     if not run.mode.startswith("overlap"):
         return 0.0
     numel = num_params(run)

@@ -36,9 +36,9 @@ import torch.optim._muon as muon_module
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from sharded_opt import grad_presence
-from sharded_opt.bucket import Bucket
-from sharded_opt.optimizer_needs import newton_schulz_cost
+from sharded_opt.guards.optimizer_needs import newton_schulz_cost
+from sharded_opt.step import grad_presence
+from sharded_opt.step.bucket import Bucket
 
 SPLIT_KEYS = ("comm_s", "newton_schulz_s", "newton_schulz_calls", "newton_schulz_work")
 """What a :class:`StepClock` adds up, per rank, over the run."""

@@ -49,7 +49,7 @@ def profiler_options() -> dict[str, Any]:
 
     On gloo with CPU tensors the wrapper's collectives run over point-to-point messages that a
     helper thread per collective waits for (Note [Reduce-scatter on gloo] in
-    ``sharded_opt/collectives.py``); their ``gloo:...`` spans live on those threads, which the
+    ``sharded_opt/comm/collectives.py``); their ``gloo:...`` spans live on those threads, which the
     profiler records only with ``profile_all_threads`` (torch releases without it: no option,
     and the trace then shows no such spans).
     """

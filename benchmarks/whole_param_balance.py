@@ -24,7 +24,7 @@ import torch
 from benchmarks.models import build_model, hidden_matrix_names
 from fusion.bucket_sizing import default_bucket_sizes, trainable_bytes
 from fusion.layout import DEFAULT_ALIGN_BYTES, LayoutPlan, ParamSpec, plan_layout
-from sharded_opt.optimizer_needs import ADAFACTOR, MUON, OptimizerNeeds
+from sharded_opt.guards.optimizer_needs import ADAFACTOR, MUON, OptimizerNeeds
 
 CPU = torch.device("cpu")
 

@@ -2,13 +2,13 @@
 those that need whole params (Muon, Adafactor)."""
 
 from sharded_opt.checkpoint import load_checkpoint, save_checkpoint
+from sharded_opt.comm.streams import wait_comm, wait_compute
 from sharded_opt.compiled_cuts import compile_backend
 from sharded_opt.grad_scaler import ShardedGradScaler
-from sharded_opt.launcher import init_parallel_env, spawn
+from sharded_opt.guards.optimizer_needs import OptimizerNeeds
+from sharded_opt.launch.launcher import init_parallel_env, spawn
 from sharded_opt.optimizer import ShardingStage1
-from sharded_opt.optimizer_needs import OptimizerNeeds
 from sharded_opt.strategy import ShardingConfig, Strategy
-from sharded_opt.streams import wait_comm, wait_compute
 
 __all__ = [
     "OptimizerNeeds",

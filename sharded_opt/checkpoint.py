@@ -41,10 +41,10 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from sharded_opt.checkpoint_pieces import ParamPiece, PieceLoadPlanner, PieceSavePlanner
-from sharded_opt.inner_optimizer import load_param_states, param_states
-from sharded_opt.messages import closed_error
-from sharded_opt.state_dict import describe_param_states, local_pieces
+from sharded_opt.guards.messages import closed_error
+from sharded_opt.state.checkpoint_pieces import ParamPiece, PieceLoadPlanner, PieceSavePlanner
+from sharded_opt.state.state_dict import describe_param_states, local_pieces
+from sharded_opt.step.inner_optimizer import load_param_states, param_states
 
 if TYPE_CHECKING:
     from sharded_opt.optimizer import ShardingStage1

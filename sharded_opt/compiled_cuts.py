@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
-from sharded_opt.compiled_waits import TRACED_WAITS, WAIT_OP
+from sharded_opt.model_hooks.compiled_waits import TRACED_WAITS, WAIT_OP
 from sharded_opt.optimizer import ShardingStage1
 
 CompilerFn = Callable[..., Callable[..., Any]]

@@ -34,22 +34,22 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
-from sharded_opt.bucket import Bucket
-from sharded_opt.collective_guard import EntryGuard
-from sharded_opt.communicator_pool import groups_can_be_destroyed, release_communicators
-from sharded_opt.grad_clipping import GradClipping
-from sharded_opt.grad_sync import GradSync
-from sharded_opt.hybrid_groups import lease_shard_groups
-from sharded_opt.messages import closed_error
-from sharded_opt.param_guard import ParamGuard
-from sharded_opt.param_sync import ParamSync
-from sharded_opt.state_dict import StateDictExchange
-from sharded_opt.state_view import ShardedStateView
-from sharded_opt.step_pipeline import StepPipeline, amp_scaling_arguments
+from sharded_opt.comm.collective_guard import EntryGuard
+from sharded_opt.comm.communicator_pool import groups_can_be_destroyed, release_communicators
+from sharded_opt.comm.hybrid_groups import lease_shard_groups
+from sharded_opt.guards.messages import closed_error
+from sharded_opt.guards.param_guard import ParamGuard
+from sharded_opt.guards.validation import check_same_layout
+from sharded_opt.guards.wrapped_guard import ADD_GROUPS_FIRST, WrappedOptimizerGuard
+from sharded_opt.model_hooks.weak_hooks import remove_handles
+from sharded_opt.state.state_dict import StateDictExchange
+from sharded_opt.state.state_view import ShardedStateView
+from sharded_opt.step.bucket import Bucket
+from sharded_opt.step.grad_clipping import GradClipping
+from sharded_opt.step.grad_sync import GradSync
+from sharded_opt.step.param_sync import ParamSync
+from sharded_opt.step.step_pipeline import StepPipeline, amp_scaling_arguments
 from sharded_opt.strategy import Strategy
-from sharded_opt.validation import check_same_layout
-from sharded_opt.weak_hooks import remove_handles
-from sharded_opt.wrapped_guard import ADD_GROUPS_FIRST, WrappedOptimizerGuard
 from sharded_opt.wrapper_init import AttachedModel, ModelAttacher, build_shards, check_locally, plan_buckets
 
 
@@ -74,7 +74,7 @@ class ShardingStage1(torch.optim.Optimizer):
             to the object do not affect this wrapper.
         process_group: ranks to shard over; default the whole world. The wrapper communicates
             on a group of its own over the same ranks (``self.process_group``; Note [One
-            communicator per wrapper] in ``sharded_opt/communicator_pool.py``).
+            communicator per wrapper] in ``sharded_opt/comm/communicator_pool.py``).
         model: the module that holds the params (some may live outside it, such as a loss
             module's). In overlap mode its modules then wait for their own params only, see
             :meth:`attach`.
@@ -82,7 +82,7 @@ class ShardingStage1(torch.optim.Optimizer):
             caller's word that each element's update depends only on its own grad and state.
         device_mesh: hybrid sharding given as FSDP2's HSDP takes it: a 2-D ``DeviceMesh`` whose
             dims are (replicate, shard), each row a shard group (``docs/hybrid-sharding.md``,
-            Note [Hybrid sharding] in ``sharded_opt/hybrid_groups.py``). Not together with
+            Note [Hybrid sharding] in ``sharded_opt/comm/hybrid_groups.py``). Not together with
             ``process_group`` or ``degree``.
 
     Raises:
@@ -99,8 +99,8 @@ class ShardingStage1(torch.optim.Optimizer):
 
     The runtime pieces are attributes for the library's own checkpointing and scaler (and for
     tests and benchmarks), not for training code: ``plan`` (the bucket layout), ``shards``
-    (:class:`~sharded_opt.optimizer_shards.OptimizerShards`: buffers, per-bucket shards, the
-    wrapped optimizer) and ``grad_sync`` (:class:`~sharded_opt.grad_sync.GradSync`: which grads
+    (:class:`~sharded_opt.step.optimizer_shards.OptimizerShards`: buffers, per-bucket shards, the
+    wrapped optimizer) and ``grad_sync`` (:class:`~sharded_opt.step.grad_sync.GradSync`: which grads
     are ready and present, the reductions).
     """
 
@@ -254,7 +254,7 @@ class ShardingStage1(torch.optim.Optimizer):
         value; on CPU this is :meth:`sync_params`. Work that no forward pre-hook sees needs it
         first: every CUDA graph replay (on the stream that replays), reads of params on another
         stream. On NCCL the host is not blocked (Note [Streams and events] in
-        ``sharded_opt/streams.py``; ``docs/accelerators.md``).
+        ``sharded_opt/comm/streams.py``; ``docs/accelerators.md``).
 
         Raises:
             TypeError: ``stream`` is not a ``torch.Stream`` (or None).

@@ -31,7 +31,7 @@ class ShardingConfig:
     reduce-scatters stay within a group (a node) and only an all-reduce of each rank's 1/degree
     shard crosses between groups. Optimizer state per rank is S/degree instead of S/world_size.
     None shards over the whole process group. Must divide the world size (checked when the
-    wrapper is built). See Note [Hybrid sharding] in ``sharded_opt/hybrid_groups.py``."""
+    wrapper is built). See Note [Hybrid sharding] in ``sharded_opt/comm/hybrid_groups.py``."""
 
     enable_overlap: bool = False
     """Reduce each bucket's grads as soon as backward has produced them, and all-gather updated
@@ -65,7 +65,7 @@ class ShardingConfig:
     full training step on that link (``--preset comm-bound``) was slower with it. On one
     machine it costs the training thread time (gloo posts and copies the messages there). So it
     is off; it may help only where a single collective in flight per direction limits the link
-    (not measured). See Note [Reduce-scatter on gloo] in ``sharded_opt/collectives.py``; the
+    (not measured). See Note [Reduce-scatter on gloo] in ``sharded_opt/comm/collectives.py``; the
     numbers are in ``benchmarks/results/2026-12-03-gloo-p2p-cpu-2core.md`` and
     ``benchmarks/results/2026-12-03-presence-group-cpu-2core.md``."""
 

@@ -14,24 +14,24 @@ from torch.utils.hooks import RemovableHandle
 from fusion.bucket_sizing import trainable_bytes
 from fusion.buffers import FlatBuffers
 from fusion.layout import LayoutPlan, ParamSpec, plan_layout
-from sharded_opt.bucket import build_buckets
-from sharded_opt.comm_context import CommContext
-from sharded_opt.hybrid_groups import ShardGroups
-from sharded_opt.initial_broadcast import broadcast_from_first_rank, broadcast_model_state, first_rank
-from sharded_opt.inner_optimizer import build_inner_optimizer, check_steps
-from sharded_opt.local_shard import BucketPrecision, resolve_precision
-from sharded_opt.optimizer_needs import OptimizerNeeds
-from sharded_opt.optimizer_shards import OptimizerShards, ParamGroupsOwner
-from sharded_opt.param_guard import ParamGuard
-from sharded_opt.param_hooks import BufferBroadcaster, ParamReadyWaiter
-from sharded_opt.strategy import ShardingConfig, Strategy
-from sharded_opt.validation import (
+from sharded_opt.comm.comm_context import CommContext
+from sharded_opt.comm.hybrid_groups import ShardGroups
+from sharded_opt.comm.initial_broadcast import broadcast_from_first_rank, broadcast_model_state, first_rank
+from sharded_opt.guards.optimizer_needs import OptimizerNeeds
+from sharded_opt.guards.param_guard import ParamGuard
+from sharded_opt.guards.validation import (
     TORCH_OPTIMIZERS,
     check_holds_trained_params,
     check_optimizer,
     check_trained_modules,
     collect_params,
 )
+from sharded_opt.model_hooks.param_hooks import BufferBroadcaster, ParamReadyWaiter
+from sharded_opt.step.bucket import build_buckets
+from sharded_opt.step.inner_optimizer import build_inner_optimizer, check_steps
+from sharded_opt.step.local_shard import BucketPrecision, resolve_precision
+from sharded_opt.step.optimizer_shards import OptimizerShards, ParamGroupsOwner
+from sharded_opt.strategy import ShardingConfig, Strategy
 
 
 def check_locally(

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
-from tests.dist_helper import PRELOADED_MODULES
+from tests.harness.dist_helper import PRELOADED_MODULES
 
 
 def pytest_configure(config: pytest.Config) -> None:

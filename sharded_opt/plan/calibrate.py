@@ -6,7 +6,7 @@ share its cores and memory bandwidth), medians of a few repeats after a warm-up,
 rank's. The wrapper's step is timed on the layout it really steps: the params as flat CPU chunks
 (Note [Per-param pieces]).
 
-Link: spawned gloo ranks issue each collective the modes use through ``sharded_opt.collectives``
+Link: spawned gloo ranks issue each collective the modes use through ``sharded_opt.comm.collectives``
 (so the reduce-scatter is the wrapper's all-to-all plus sum), several in flight at once as the
 modes issue them, at a few sizes; a least-squares line through (bytes sent, seconds) gives beta,
 its intercept per round alpha (``cost.rounds``, ``cost.wire_bytes``).
@@ -24,12 +24,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from sharded_opt import collectives
-from sharded_opt.launcher import spawn
-from sharded_opt.local_shard import CPU_CHUNK_BYTES
+from sharded_opt.comm import collectives
+from sharded_opt.launch.launcher import spawn
 from sharded_opt.plan.config import AlphaBeta, Collective, CollectiveCosts, ComputeTimes, LinkModel
 from sharded_opt.plan.cost import rounds, wire_bytes
 from sharded_opt.plan.model import load_batch, load_factory, resolve_optimizer
+from sharded_opt.step.local_shard import CPU_CHUNK_BYTES
 
 PROBE_SIZES_BYTES = (128 * 2**10, 512 * 2**10, 2 * 2**20)
 """Collective sizes timed: around the default buckets of small models (64 KiB to a few MiB)."""
@@ -37,7 +37,7 @@ PROBE_SIZES_BYTES = (128 * 2**10, 512 * 2**10, 2 * 2**20)
 IN_FLIGHT = 4
 """Collectives issued before waiting for ``LinkModel.in_flight``: the modes keep several buckets
 in flight, and gloo runs concurrent collectives faster per byte than one alone
-(Note [Reduce-scatter on gloo] in ``sharded_opt/collectives.py``)."""
+(Note [Reduce-scatter on gloo] in ``sharded_opt/comm/collectives.py``)."""
 
 REPEATS = 3
 WARMUP = 2

@@ -40,7 +40,7 @@ class CollectiveCosts:
     all_reduce: AlphaBeta
     reduce_scatter: AlphaBeta
     """The wrapper's reduce-scatter: on gloo an all-to-all plus a local sum (Note
-    [Reduce-scatter on gloo] in ``sharded_opt/collectives.py``)."""
+    [Reduce-scatter on gloo] in ``sharded_opt/comm/collectives.py``)."""
     all_gather: AlphaBeta
 
     def cost(self, kind: Collective) -> AlphaBeta:

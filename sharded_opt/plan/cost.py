@@ -2,7 +2,7 @@
 
 Rounds and bytes are those of the algorithms the modes run: the wrapper's reduce-scatter is a
 direct exchange (an all-to-all plus a local sum on gloo, Note [Reduce-scatter on gloo] in
-``sharded_opt/collectives.py``) and its all-gather one too, each with ``g - 1`` rounds and
+``sharded_opt/comm/collectives.py``) and its all-gather one too, each with ``g - 1`` rounds and
 ``(g - 1) / g`` of the bucket sent per rank; an all-reduce (DDP's, hybrid sharding's across
 replicas) is a ring, ``2 (g - 1)`` rounds and twice those bytes. A group inside one node runs on
 the node's link. A group across nodes sends the part of its bytes addressed to other nodes over

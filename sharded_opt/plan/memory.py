@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from fusion.layout import BucketPlan, LayoutPlan, ParamSpec
-from sharded_opt.local_shard import BucketPrecision
+from sharded_opt.step.local_shard import BucketPrecision
 
 StateBytes = Mapping[tuple[int, torch.dtype], int]
 """Optimizer state bytes per stepped element, by (param group index, stepped dtype)."""

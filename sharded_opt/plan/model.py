@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fusion.layout import ParamSpec
-from sharded_opt.validation import ELEMENTWISE_OPTIMIZERS, collect_params
+from sharded_opt.guards.validation import ELEMENTWISE_OPTIMIZERS, collect_params
 
 BUILTIN_MODEL_MODULE = "benchmarks.models"
 """Where the benchmark's built-in models live (``--model default`` and the other preset names)."""

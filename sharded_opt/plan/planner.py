@@ -12,7 +12,6 @@ from torch import nn
 
 from fusion.bucket_sizing import trainable_bytes
 from fusion.layout import BucketPlan, LayoutPlan, ParamSpec, plan_layout
-from sharded_opt.local_shard import BucketPrecision, resolve_precision
 from sharded_opt.plan.config import Cluster, Collective, ComputeTimes
 from sharded_opt.plan.cost import GroupPlacement, collective_s, crosses_nodes
 from sharded_opt.plan.memory import MemoryBytes, StateBytes, ddp_memory, sharded_memory
@@ -32,6 +31,7 @@ from sharded_opt.plan.schedule import (
     comm_only_s,
     simulate,
 )
+from sharded_opt.step.local_shard import BucketPrecision, resolve_precision
 from sharded_opt.strategy import ShardingConfig
 
 BUCKET_SWEEP_MB: tuple[float | None, ...] = (None, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0)

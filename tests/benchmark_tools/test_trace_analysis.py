@@ -22,7 +22,7 @@ from benchmarks.trace_analysis import (
     union,
 )
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
-from tests.dist_helper import run_ranks
+from tests.harness.dist_helper import run_ranks
 
 
 def test_union_merges_overlapping_touching_and_nested_intervals() -> None:

@@ -10,8 +10,16 @@ import pytest
 import torch
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, load_checkpoint, save_checkpoint
-from tests.dist_helper import run_ranks
-from tests.training import ATOL, RTOL, STEPS_AFTER, STEPS_BEFORE, _sharded_steps, make_model, make_optimizer
+from tests.harness.dist_helper import run_ranks
+from tests.harness.training import (
+    ATOL,
+    RTOL,
+    STEPS_AFTER,
+    STEPS_BEFORE,
+    _sharded_steps,
+    make_model,
+    make_optimizer,
+)
 
 OPTIMIZER = "adamw_groups"
 

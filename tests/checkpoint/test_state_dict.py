@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from sharded_opt import ShardingStage1
-from tests.dist_helper import run_ranks
-from tests.training import (
+from tests.harness.dist_helper import run_ranks
+from tests.harness.training import (
     ATOL,
     RTOL,
     STEPS_AFTER,

@@ -2,7 +2,8 @@
 go out uncast on CPU gloo (Note [Widening on receipt] in ``collectives``; the staging pool of
 Note [Bounded staging] is tested on fake streams in ``test_streams``),
 ``wait_for_params`` is ``sync_params`` on CPU, and in overlap mode the wrapper's grad hooks make
-the reduction wait for every stream that accumulated grads (with the fakes of ``tests.fake_accelerator``)."""
+the reduction wait for every stream that accumulated grads (with the fakes of
+``tests.harness.fake_accelerator``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives, comm_context
-from tests.dist_helper import run_ranks
-from tests.fake_accelerator import FakeAccelerator, FakeEvent, FakeStream
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+from sharded_opt.comm import collectives, comm_context
+from tests.harness.dist_helper import run_ranks
+from tests.harness.fake_accelerator import FakeAccelerator, FakeEvent, FakeStream
 
 
 def _bf16_model() -> torch.nn.Module:

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, load_checkpoint, save_checkpoint
-from tests.dist_helper import run_ranks
-from tests.training import make_model
+from tests.harness.dist_helper import run_ranks
+from tests.harness.training import make_model
 
 ENTRY_TIMEOUT_S = 2.0
 """Short, so a test never waits for the group's timeout; only for calls that one rank skips.

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.gloo_p2p import probe_rank
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
-from tests.dist_helper import run_ranks
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+from sharded_opt.comm import collectives
+from tests.harness.dist_helper import run_ranks
 
 SHARD_NUMELS = (5, 1, 37, 64)
 """Per-rank slice sizes of the buckets: uneven, one of a single element."""

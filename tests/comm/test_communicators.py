@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, save_checkpoint
-from tests.dist_helper import run_ranks
+from tests.harness.dist_helper import run_ranks
 
 # A mismatch between wrappers shows as wrong numbers, a collective error or a hang; a short
 # collective timeout turns the hang into a failure quickly.

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
-from sharded_opt.bucket import Bucket
-from tests.dist_helper import run_ranks
-from tests.training import (
+from sharded_opt.step.bucket import Bucket
+from tests.harness.dist_helper import run_ranks
+from tests.harness.training import (
     ATOL,
     RTOL,
     RunConfig,

@@ -1,4 +1,4 @@
-"""The per-bucket step pipeline (Note [Step pipeline] in ``sharded_opt/step_pipeline.py``): each
+"""The per-bucket step pipeline (Note [Step pipeline] in ``sharded_opt/step/step_pipeline.py``): each
 bucket's shard is stepped as soon as its own reduction is finished, every all-gather starts only
 after its own bucket's step, and results are bitwise those of one step over all buckets, in sync
 and overlap mode, with clipping and with bf16 params on fp32 masters.
@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy, grad_sync, param_sync
-from tests.dist_helper import run_jobs, run_ranks
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+from sharded_opt.step import grad_sync, param_sync
+from tests.harness.dist_helper import run_jobs, run_ranks
 
 ONE_PARAM_PER_BUCKET_MB = 0.0001
 """Smaller than any param of :class:`_Net`: every param gets a bucket of its own."""

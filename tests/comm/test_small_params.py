@@ -4,7 +4,7 @@
 
 Call counts, not times: a test never asserts wall-clock time, and the number of Python-level
 calls per backward is what the hook's cost scales with (see Note [Hook cost] in
-``sharded_opt.grad_hooks``).
+``sharded_opt.step.grad_hooks``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from fusion.layout import DEFAULT_ALIGN_BYTES
 from sharded_opt import ShardingStage1
-from tests.dist_helper import run_ranks
+from tests.harness.dist_helper import run_ranks
 
 NUM_SCALARS = 500
 WORLD_SIZE = 2

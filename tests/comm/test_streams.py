@@ -11,12 +11,12 @@ import torch
 
 from fusion.buffers import FlatBuffers
 from fusion.layout import ParamSpec, plan_layout
-from sharded_opt import collectives, comm_context, streams
-from sharded_opt.bucket import Bucket, build_buckets, finish_grad_syncs, start_param_syncs
-from sharded_opt.comm_context import CommContext
-from sharded_opt.grad_hooks import GradReadyTracker
-from sharded_opt.local_shard import resolve_precision
-from tests.fake_accelerator import FakeAccelerator, FakeEvent, FakeStream
+from sharded_opt.comm import collectives, comm_context, streams
+from sharded_opt.comm.comm_context import CommContext
+from sharded_opt.step.bucket import Bucket, build_buckets, finish_grad_syncs, start_param_syncs
+from sharded_opt.step.grad_hooks import GradReadyTracker
+from sharded_opt.step.local_shard import resolve_precision
+from tests.harness.fake_accelerator import FakeAccelerator, FakeEvent, FakeStream
 
 
 class _RecordedStream:
@@ -38,7 +38,7 @@ def test_no_comm_stream_on_cpu() -> None:
 
 # -- the accelerator path with fake streams and events ------------------------------------------
 #
-# Streams and events are replaced by the fakes of ``tests.fake_accelerator``: they log every
+# Streams and events are replaced by the fakes of ``tests.harness.fake_accelerator``: they log every
 # record and wait in order; collectives log which stream was current when they were issued and
 # return handles whose wait() logs which stream waited.
 

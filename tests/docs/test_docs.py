@@ -268,3 +268,72 @@ def test_design_page_names_the_tests_of_every_note() -> None:
             f"[{note}]: {problem}" for entry in entries if (problem := _tested_by_problem(note, entry))
         )
     assert not problems, "\n".join(problems)
+
+
+_PACKAGE_ROW = re.compile(r"^\| \*\*`([\w/]+)`\*\*(?: \(top\))? \| [^|]+ \| ([^|]*) \|$", re.MULTILINE)
+
+
+def _package_of(module: str) -> str:
+    """``fusion``, ``top`` (a module of ``sharded_opt`` itself) or the ``sharded_opt`` subpackage
+    that holds ``module`` (a dotted path)."""
+    parts = module.split(".")
+    if parts[0] == "fusion":
+        return "fusion"
+    is_subpackage = (ROOT / "sharded_opt" / parts[1]).is_dir() if len(parts) > 1 else False
+    return parts[1] if is_subpackage else "top"
+
+
+def _allowed_imports() -> dict[str, set[str] | None]:
+    """Per package, the packages the design page's layout table lets it import (None: any)."""
+    text = (ROOT / "docs/design.md").read_text()
+    layout = text[text.index("## Layout") : text.index("## The layout: params in flat buckets")]
+    allowed: dict[str, set[str] | None] = {}
+    for path, cell in _PACKAGE_ROW.findall(layout):
+        package = path.strip("/").split("/")[-1]
+        package = "top" if package == "sharded_opt" else package
+        names = re.findall(r"`(\w+)`", cell)
+        everything = cell.strip() == "everything above"
+        allowed[package] = None if everything else {"top" if n == "sharded_opt" else n for n in names}
+    return allowed
+
+
+def _imported_modules(path: pathlib.Path) -> list[str]:
+    """The library modules (dotted) that ``path`` imports from."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith(("sharded_opt", "fusion"))
+        ):
+            if node.module == "sharded_opt":  # ``from sharded_opt import x``: x a module or a name
+                found += [f"sharded_opt.{alias.name}" for alias in node.names]
+            else:
+                found.append(node.module)
+    return found
+
+
+def test_packages_import_only_what_the_layout_allows() -> None:
+    allowed = _allowed_imports()
+    packages = {
+        "fusion",
+        "comm",
+        "model_hooks",
+        "guards",
+        "step",
+        "state",
+        "launch",
+        "top",
+        "integrations",
+        "plan",
+    }
+    assert set(allowed) == packages, sorted(allowed)
+    wrong = []
+    for path in sorted([*(ROOT / "sharded_opt").rglob("*.py"), *(ROOT / "fusion").rglob("*.py")]):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        package, may_import = _package_of(module), allowed[_package_of(module)]
+        for target in _imported_modules(path):
+            other = _package_of(target)
+            if other != package and may_import is not None and other not in may_import:
+                wrong.append(f"{module} imports {target}: {package} may import {sorted(may_import)}")
+    assert not wrong, "\n".join(wrong)

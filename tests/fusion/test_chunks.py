@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from sharded_opt import ShardingStage1
-from sharded_opt.local_shard import CPU_CHUNK_BYTES
+from sharded_opt.step.local_shard import CPU_CHUNK_BYTES
 
 
 def _wide_model() -> nn.Module:

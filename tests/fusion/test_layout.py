@@ -1,6 +1,6 @@
 """Tests for the pure layout planner in ``fusion.layout``.
 
-Expected values are worked out here and in ``tests/layout_reference.py`` from the layout rules
+Expected values are worked out here and in ``tests/harness/layout_reference.py`` from the layout rules
 (reverse registration order, aligned offsets for params of at least ``align_elems`` elements and
 dense packing of smaller ones, each param starting where every view its byte size allows, up to
 16-byte dtypes, is possible, greedy bucket closing, padding to ``world_size * align_elems``), not
@@ -29,7 +29,7 @@ from fusion.layout import (
     plan_layout,
     round_up,
 )
-from tests.layout_reference import (
+from tests.harness.layout_reference import (
     CPU,
     ITEMSIZE,
     align_bytes_st,

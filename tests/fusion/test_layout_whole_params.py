@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fusion.layout import LayoutPlan, ParamSpec, align_numel, plan_layout, round_up
-from sharded_opt.optimizer_needs import newton_schulz_cost, numel_cost
-from tests.layout_reference import (
+from sharded_opt.guards.optimizer_needs import newton_schulz_cost, numel_cost
+from tests.harness.layout_reference import (
     align_bytes_st,
     bucket_sizes,
     param_lists,

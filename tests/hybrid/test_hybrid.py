@@ -1,7 +1,7 @@
 """Hybrid sharding (shard within groups of ``degree`` ranks, replicate across them) on 4 CPU ranks.
 
 Every 4-rank check of this module runs in one spawn (the module fixture), because starting ranks
-costs seconds: random training programs (tests/differential.py) as 2 x 2 against plain torch,
+costs seconds: random training programs (tests/harness/differential.py) as 2 x 2 against plain torch,
 sync against overlap, the same layout given as a DeviceMesh, clipping, loss scaling, memory per
 rank, the error cases, and DCP checkpoints moved between 2 x 2, 1 x 4 and 4 x 1; one more
 1-rank spawn loads the 2 x 2 checkpoint in one process.
@@ -27,7 +27,7 @@ from sharded_opt import (
     load_checkpoint,
     save_checkpoint,
 )
-from tests.differential import (
+from tests.harness.differential import (
     FP32_TOLERANCE,
     Program,
     StepSpec,
@@ -36,8 +36,8 @@ from tests.differential import (
     draw_programs,
     run_programs,
 )
-from tests.dist_helper import run_ranks
-from tests.training import (
+from tests.harness.dist_helper import run_ranks
+from tests.harness.training import (
     ATOL,
     GLOBAL_BATCH,
     RTOL,

@@ -15,8 +15,8 @@ import os
 
 import torch
 
-from tests.dist_helper import run_ranks
-from tests.integrations_common import (
+from tests.harness.dist_helper import run_ranks
+from tests.harness.integrations_common import (
     assert_close_run,
     decay_groups,
     params_of,

@@ -19,8 +19,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests.dist_helper import run_ranks
-from tests.integrations_common import (
+from tests.harness.dist_helper import run_ranks
+from tests.harness.integrations_common import (
     assert_close_run,
     decay_groups,
     params_of,

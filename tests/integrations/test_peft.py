@@ -12,8 +12,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.dist_helper import run_ranks
-from tests.integrations_common import PARAM_ATOL, max_diff, params_of, quiet_rank, tiny_gpt2, token_ids
+from tests.harness.dist_helper import run_ranks
+from tests.harness.integrations_common import (
+    PARAM_ATOL,
+    max_diff,
+    params_of,
+    quiet_rank,
+    tiny_gpt2,
+    token_ids,
+)
 
 STEPS = 4
 GLOBAL_BATCH = 4

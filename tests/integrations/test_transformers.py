@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from tests.dist_helper import run_ranks
-from tests.integrations_common import (
+from tests.harness.dist_helper import run_ranks
+from tests.harness.integrations_common import (
     assert_close_run,
     params_of,
     quiet_rank,

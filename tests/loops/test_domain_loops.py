@@ -1,5 +1,5 @@
 """Training loops from other domains, written the way their users write them (the third round of
-user loops, on the harness of ``tests/user_loops.py``): vision (a ResNet-style CNN with BatchNorm,
+user loops, on the harness of ``tests/harness/user_loops.py``): vision (a ResNet-style CNN with BatchNorm,
 ``channels_last``, bf16 autocast, mixup, label smoothing and SWA; ``channels_last`` after wrapping;
 adversarial training; pruning), self-supervised and contrastive learning (a MoCo/BYOL momentum
 encoder, DINO, SimCLR over the differentiable ``all_gather``, OpenCLIP's gather without grad),
@@ -32,9 +32,10 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.optim import swa_utils
 
-from sharded_opt import ShardingStage1, collectives
-from tests.differential import _average
-from tests.user_loops import (
+from sharded_opt import ShardingStage1
+from sharded_opt.comm import collectives
+from tests.harness.differential import _average
+from tests.harness.user_loops import (
     SLICE,
     BufferLoop,
     Loop,

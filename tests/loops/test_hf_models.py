@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` models trained the way their users write loops (red-team round
-three, on the :class:`~tests.user_loops.Loop` harness, job runner and assertion of
-``tests/user_loops.py``).
+three, on the :class:`~tests.harness.user_loops.Loop` harness, job runner and assertion of
+``tests/harness/user_loops.py``).
 
 Tiny models built from configs (nothing is downloaded; ``from_pretrained`` only reads a folder
 that ``save_pretrained`` wrote, on rank 0, as it does under a process group): GPT-2 (tied LM
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sharded_opt import ShardingStage1
-from tests.user_loops import (
+from tests.harness.user_loops import (
     SLICE,
     Loop,
     _both,

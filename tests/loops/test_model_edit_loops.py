@@ -1,6 +1,6 @@
 """Training loops that edit the model or drive the optimizer beyond the plain loop, written the way
-users write them (the second round of user loops, on the :class:`~tests.user_loops.Loop` harness of
-``tests/user_loops.py``): copies of the wrapped model, weights rewritten after wrapping
+users write them (the second round of user loops, on the :class:`~tests.harness.user_loops.Loop` harness of
+``tests/harness/user_loops.py``): copies of the wrapped model, weights rewritten after wrapping
 (``p.data = t`` included), parametrizations, attention and recurrent models, LoRA, two
 optimizers, closures, clipping by value, accumulation without ``no_sync``, gradient penalties,
 activation checkpointing with frozen layers, and resuming from a saved file (also on one more
@@ -29,8 +29,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
-from tests.user_loops import (
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+from sharded_opt.comm import collectives
+from tests.harness.user_loops import (
     SLICE,
     BufferLoop,
     Loop,

@@ -7,8 +7,8 @@ a padded encoder evaluated right after each step, schedulers built before or aft
 optimizer flags. Each runs through ShardingStage1 on 2 gloo ranks (sync and overlap; a few on 3
 ranks too) and through the plain torch optimizer on one process over the full batch.
 
-Each loop is written once against the :class:`~tests.user_loops.Loop` harness of
-``tests/user_loops.py`` (sharded, or plain over every slice with grads averaged as the reduction
+Each loop is written once against the :class:`~tests.harness.user_loops.Loop` harness of
+``tests/harness/user_loops.py`` (sharded, or plain over every slice with grads averaged as the reduction
 does); all loops of the module run in one spawn. The comparison is bitwise where nothing but the
 averaging differs; the global norm of ``clip_grad_norm_`` sums per shard, so clipped loops use the
 fp32 bound of ``tests/parity/test_differential.py``.
@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sharded_opt import ShardingStage1
-from tests.user_loops import (
+from tests.harness.user_loops import (
     SLICE,
     Loop,
     SmallNet,

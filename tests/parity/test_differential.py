@@ -3,7 +3,7 @@ ShardingStage1 (1, 2 and 3 gloo ranks, sync and overlap) as through the plain to
 with torch's default ``zero_grad()``.
 
 Hypothesis draws one batch of programs per world size from a fixed seed (``derandomize``), and
-all of them run in one spawn, because starting ranks costs seconds. See ``tests/differential.py``
+all of them run in one spawn, because starting ranks costs seconds. See ``tests/harness/differential.py``
 for what a program does and how the reference is computed.
 
 Tolerance. The reference averages the same per-slice grads in the same order as the reduction,
@@ -18,7 +18,7 @@ kernels on whole params where the wrapper runs them on pieces at other offsets, 
 may contract a vectorized loop's tail differently, and because a program may run the plain
 optimizer with fused kernels and the wrapper without (``Program.kernels``; at most 3.6e-8
 relative apart). State tensors get a slack that grows with their largest element (see
-``_state_atol`` in ``tests/differential.py``). fp64 programs get the same allowance in fp64 ulps
+``_state_atol`` in ``tests/harness/differential.py``). fp64 programs get the same allowance in fp64 ulps
 (``FP64_TOLERANCE``: rtol 1e-12, atol 1e-14; state bounds times 1e-6), so that a norm or a sum
 taken in fp32 on the way (1e-10 to 1e-7 off) shows. Anything semantic (a param stepped without a
 grad, a lost step count, a stale master, a dropped scheduler) is orders of magnitude above both.
@@ -29,8 +29,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.differential import _assert_states_close, check_result, draw_programs, run_programs
-from tests.dist_helper import run_ranks
+from tests.harness.differential import _assert_states_close, check_result, draw_programs, run_programs
+from tests.harness.dist_helper import run_ranks
 
 PROGRAMS_PER_WORLD_SIZE = 10
 

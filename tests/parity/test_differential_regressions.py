@@ -1,4 +1,4 @@
-"""Programs the differential fuzzer (``tests/fuzz_differential.py``) found to differ from plain
+"""Programs the differential fuzzer (``tests/harness/fuzz_differential.py``) found to differ from plain
 torch, shrunk to their smallest form, plus the habits it draws beyond ``tests/parity/test_differential.py``
 written out once each, so they are checked on every run whatever hypothesis draws.
 
@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from tests import fuzz_differential
-from tests.differential import (
+from tests.harness import fuzz_differential
+from tests.harness.differential import (
     Program,
     Resume,
     StepSpec,
@@ -23,12 +23,12 @@ from tests.differential import (
     run_programs,
     save_for_resume,
 )
-from tests.dist_helper import run_ranks
+from tests.harness.dist_helper import run_ranks
 
 CASES: dict[str, Program] = {
     # Found: clip_grad_norm_, step(), step() again. torch's second step uses the clipped grads;
     # the wrapper reduced the local grads again and stepped them unclipped (SGD: 4e-3 on the
-    # scale param after one step). Note [A step without backward] in sharded_opt/grad_sync.py.
+    # scale param after one step). Note [A step without backward] in sharded_opt/step/grad_sync.py.
     "clip_then_step_twice": Program(optimizer="sgd", steps=(StepSpec(clip=0.05, step_twice=True),)),
     # The same through a step without backward after grads were kept (not zeroed).
     "clip_then_step_without_backward": Program(

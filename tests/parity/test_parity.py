@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_helper import run_ranks
-from tests.training import ATOL, RTOL, RunConfig, train_many, train_reference
+from tests.harness.dist_helper import run_ranks
+from tests.harness.training import ATOL, RTOL, RunConfig, train_many, train_reference
 
 CONFIGS = {
     "sgd_momentum_wd": RunConfig(optimizer="sgd"),

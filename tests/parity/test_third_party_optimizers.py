@@ -14,7 +14,7 @@ from lion_pytorch import Lion
 from schedulefree import AdamWScheduleFree, SGDScheduleFree
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
-from tests.dist_helper import run_ranks
+from tests.harness.dist_helper import run_ranks
 
 STEPS = 5
 BATCH = 8

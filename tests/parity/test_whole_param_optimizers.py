@@ -5,7 +5,7 @@ Muon is wrapped as its users run it: its matrices (``fc1``, ``fc2``, the head) i
 every other param (biases, the scalar, the frozen one) in a second wrapper holding AdamW, both
 attached to the same model.
 
-Tolerances, measured (fp32, 10 steps of ``tests.training``'s MLP and batches):
+Tolerances, measured (fp32, 10 steps of ``tests.harness.training``'s MLP and batches):
 - Against one process over the whole batch: rtol=1e-6, atol=1e-7, as ``test_parity``. The ranks
   average per-slice mean grads, the reference takes one mean of the whole batch, so grads differ
   in the last bits; the largest difference measured was 3e-8 (2 and 3 ranks, every run; Muon
@@ -32,8 +32,8 @@ from sharded_opt import (
     load_checkpoint,
     save_checkpoint,
 )
-from tests.dist_helper import run_ranks
-from tests.training import batch, local_slice, make_model
+from tests.harness.dist_helper import run_ranks
+from tests.harness.training import batch, local_slice, make_model
 
 RTOL, ATOL = 1e-6, 1e-7
 STEPS = 10
@@ -135,7 +135,7 @@ def train_all(runs: list[Run]) -> list[dict]:
 def train_plain(kind: str, slices: int = 1, steps: int = STEPS, start_step: int = 0) -> dict:
     """The plain optimizers in one process; ``slices`` > 1 averages per-slice grads (sum in
     slice order, then divide), as the ranks' reduction does. One intra-op thread, as the ranks
-    (``tests.dist_helper``): a matmul's blocking, and so its rounding, follows the thread count."""
+    (``tests.harness.dist_helper``): a matmul's blocking, and so its rounding, follows the thread count."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

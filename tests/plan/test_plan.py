@@ -13,7 +13,7 @@ from sharded_opt import ShardingConfig, ShardingStage1, Strategy
 from sharded_opt.plan import AlphaBeta, Cluster, ComputeTimes, LinkModel, plan_training
 from sharded_opt.plan.__main__ import main
 from sharded_opt.plan.schedule import BucketCosts, StepCosts, Transfer, simulate
-from tests.dist_helper import run_ranks
+from tests.harness.dist_helper import run_ranks
 
 COMPUTE = ComputeTimes(forward_s=0.1, backward_s=0.2, step_s=0.03)
 FAST_LINK = LinkModel.stated(100.0, latency_us=10)

@@ -10,8 +10,16 @@ import torch
 import torch.distributed as dist
 
 from sharded_opt import ShardingStage1
-from tests.dist_helper import run_ranks
-from tests.training import ATOL, GLOBAL_BATCH, RTOL, RunConfig, make_model, train_many, train_reference
+from tests.harness.dist_helper import run_ranks
+from tests.harness.training import (
+    ATOL,
+    GLOBAL_BATCH,
+    RTOL,
+    RunConfig,
+    make_model,
+    train_many,
+    train_reference,
+)
 
 CLIP_CONFIGS = {
     "l2_sync": RunConfig(optimizer="adamw", clip_norm=0.05),

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sharded_opt import ShardedGradScaler, ShardingConfig, ShardingStage1, Strategy
-from tests.dist_helper import run_ranks
+from tests.harness.dist_helper import run_ranks
 
 
 def _model() -> nn.Sequential:

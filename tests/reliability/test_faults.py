@@ -1,5 +1,5 @@
 """Faults injected into real ranks: a rank killed or hung mid-step, a crash while a checkpoint is
-written, resuming after a crash, and a short soak (the long one: ``python -m tests.soak``).
+written, resuming after a crash, and a short soak (the long one: ``python -m tests.harness.soak``).
 
 Each fault is injected inside a spawned rank, the way it happens in production: the rank sends
 itself SIGKILL from inside its training loop (or from inside a patched checkpoint writer), so
@@ -23,20 +23,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from sharded_opt import (
-    ShardingConfig,
-    ShardingStage1,
-    Strategy,
-    launcher,
-    load_checkpoint,
-    rank_failures,
-    save_checkpoint,
-    spawn,
-)
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy, load_checkpoint, save_checkpoint, spawn
 from sharded_opt import checkpoint as checkpoint_module
-from tests import soak
-from tests.dist_helper import START_METHOD, run_ranks
-from tests.training import batch, local_slice, make_model, make_optimizer
+from sharded_opt.launch import launcher, rank_failures
+from tests.harness import soak
+from tests.harness.dist_helper import START_METHOD, run_ranks
+from tests.harness.training import batch, local_slice, make_model, make_optimizer
 
 STEPS = 12
 COLLECTIVE_TIMEOUT_S = 20.0
@@ -370,6 +362,6 @@ def test_resume_after_crash_is_bitwise_uninterrupted(tmp_path: Path) -> None:
 
 def test_short_soak_leaks_nothing_and_overlap_equals_sync() -> None:
     """250 irregular steps per mode, probed every 30 after a warm-up of 100 (in sync mode RSS
-    settles by a one-off ~1 MiB between steps 50 and 70); tests/soak.py has the details."""
+    settles by a one-off ~1 MiB between steps 50 and 70); tests/harness/soak.py has the details."""
     per_rank = run_ranks(soak.soak_both_modes, 2, 250, 0, 100, 30)
     assert soak.soak_problems(per_rank) == []

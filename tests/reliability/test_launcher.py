@@ -15,17 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sharded_opt import (
-    ShardingConfig,
-    ShardingStage1,
-    Strategy,
-    collectives,
-    init_parallel_env,
-    launcher,
-    rank_failures,
-    spawn,
-)
-from tests.dist_helper import START_METHOD
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy, init_parallel_env, spawn
+from sharded_opt.comm import collectives
+from sharded_opt.launch import launcher, rank_failures
+from tests.harness.dist_helper import START_METHOD
 
 
 def _report_environment(tag: str) -> dict:

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, load_checkpoint, save_checkpoint
-from tests.dist_helper import run_ranks
-from tests.training import GLOBAL_BATCH, make_model
+from tests.harness.dist_helper import run_ranks
+from tests.harness.training import GLOBAL_BATCH, make_model
 
 
 def _wrapped(overlap: bool = True):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
-from tests.dist_helper import run_ranks
+from tests.harness.dist_helper import run_ranks
 
 # A rank left waiting in a collective would fail after this, with gloo's timeout message, not
 # with the errors the test expects.

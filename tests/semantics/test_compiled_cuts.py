@@ -20,12 +20,13 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives, compile_backend
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy, compile_backend
+from sharded_opt.comm import collectives
 from sharded_opt.compiled_cuts import piece_of_nodes
-from sharded_opt.compiled_waits import TRACED_WAITS
-from tests.dist_helper import run_ranks
+from sharded_opt.model_hooks.compiled_waits import TRACED_WAITS
+from tests.harness.dist_helper import run_ranks
+from tests.harness.user_loops import _late_all_gather
 from tests.semantics.test_compiled_waits import VOCAB, WIDTH, TiedLM, _tokens
-from tests.user_loops import _late_all_gather
 
 pytestmark = pytest.mark.skipif(not TRACED_WAITS, reason="traced waits and cuts need torch >= 2.13")
 

@@ -1,5 +1,5 @@
 """A compiled forward keeps the all-gather overlap: its graph waits for each param's all-gather
-before the param's first read (Note [torch.compile] in ``sharded_opt/compiled_waits.py``).
+before the param's first read (Note [torch.compile] in ``sharded_opt/model_hooks/compiled_waits.py``).
 
 One spawned 2-rank job compiles a small tied-weight language model with Inductor and
 ``fullgraph=True`` (a graph break would raise) in sync and overlap mode; all-gathers land only
@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
-from sharded_opt.compiled_waits import TRACED_WAITS
-from tests.dist_helper import run_ranks
-from tests.user_loops import _late_all_gather
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+from sharded_opt.comm import collectives
+from sharded_opt.model_hooks.compiled_waits import TRACED_WAITS
+from tests.harness.dist_helper import run_ranks
+from tests.harness.user_loops import _late_all_gather
 
 pytestmark = pytest.mark.skipif(not TRACED_WAITS, reason="traced waits need torch >= 2.13")
 

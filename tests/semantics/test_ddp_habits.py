@@ -21,10 +21,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy, collectives
-from tests.dist_helper import run_ranks
-from tests.training import ATOL, IN_FEATURES, RTOL, batch, local_slice, make_model
-from tests.user_loops import _late_all_gather
+from sharded_opt import ShardingConfig, ShardingStage1, Strategy
+from sharded_opt.comm import collectives
+from tests.harness.dist_helper import run_ranks
+from tests.harness.training import ATOL, IN_FEATURES, RTOL, batch, local_slice, make_model
+from tests.harness.user_loops import _late_all_gather
 
 STEPS = 3
 

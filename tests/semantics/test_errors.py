@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, save_checkpoint
-from tests.dist_helper import run_ranks
-from tests.training import GLOBAL_BATCH, IN_FEATURES, make_model
+from tests.harness.dist_helper import run_ranks
+from tests.harness.training import GLOBAL_BATCH, IN_FEATURES, make_model
 
 
 @dataclass(frozen=True)

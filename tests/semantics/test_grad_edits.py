@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sharded_opt import ShardedGradScaler, ShardingConfig, ShardingStage1, Strategy
-from tests.dist_helper import run_ranks
+from tests.harness.dist_helper import run_ranks
 
 STRATEGY = Strategy(sharding=ShardingConfig(bucket_size_mb=0.0005))
 

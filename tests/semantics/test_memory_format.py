@@ -11,7 +11,7 @@ from torch import nn
 
 from fusion.layout import ParamSpec
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, load_checkpoint, save_checkpoint
-from tests.dist_helper import run_ranks
+from tests.harness.dist_helper import run_ranks
 
 STEPS = 3
 BATCH = 4

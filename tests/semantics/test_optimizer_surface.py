@@ -1,6 +1,6 @@
 """The ``torch.optim`` surface through ShardingStage1 (a fifth round of user loops, on the
-:class:`~tests.user_loops.Loop` harness, job runner and fixture factory of
-``tests/user_loops.py``): every optimizer class the wrapper accepts with the flags users set (drawn
+:class:`~tests.harness.user_loops.Loop` harness, job runner and fixture factory of
+``tests/harness/user_loops.py``): every optimizer class the wrapper accepts with the flags users set (drawn
 by hypothesis, one (class, flags) combination per example), schedulers that move more than the
 learning rate (momentum, betas), built before or after wrapping or on the torch optimizer after
 wrapping, resumed in the middle of their schedule, and the warnings they give; param-group habits
@@ -13,7 +13,7 @@ attached, and (except the optimizer and scheduler loops, whose step is the same 
 sharded overlap without a model; all loops of a world size run in one spawn. A program that
 plain torch refuses at its first ``step()`` (``capturable=True`` on CPU, ``differentiable=True``
 over leaf params) must be refused by the wrapper too: with torch's error, or at construction
-(Note [Refused at the first step] in ``sharded_opt/inner_optimizer.py``).
+(Note [Refused at the first step] in ``sharded_opt/step/inner_optimizer.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch.optim import lr_scheduler
 from torch.optim.swa_utils import SWALR
 
 from sharded_opt import ShardingStage1
-from tests.user_loops import (
+from tests.harness.user_loops import (
     FP32_TOLERANCE,
     SLICE,
     Loop,

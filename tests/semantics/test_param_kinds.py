@@ -12,7 +12,7 @@ params, params sharing memory, a scripted ``model=``) or at the step (a cast mod
 scaled without a master), with the fix in the message.
 
 Each loop runs plain (one process, every slice), sharded sync, sharded overlap with the model
-attached and sharded overlap without a model (the harness of ``tests/user_loops.py``), with
+attached and sharded overlap without a model (the harness of ``tests/harness/user_loops.py``), with
 all-gathers that land only when waited for; all loops of a world size run in one spawn.
 """
 
@@ -29,9 +29,10 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 from torch.utils.checkpoint import checkpoint_sequential
 
-from sharded_opt import ShardedGradScaler, ShardingConfig, ShardingStage1, Strategy, collectives
-from tests.differential import _average
-from tests.user_loops import (
+from sharded_opt import ShardedGradScaler, ShardingConfig, ShardingStage1, Strategy
+from sharded_opt.comm import collectives
+from tests.harness.differential import _average
+from tests.harness.user_loops import (
     SLICE,
     BufferLoop,
     Loop,

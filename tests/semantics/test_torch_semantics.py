@@ -15,8 +15,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, load_checkpoint, save_checkpoint
-from tests.dist_helper import run_jobs, run_ranks
-from tests.training import _to_bytes
+from tests.harness.dist_helper import run_jobs, run_ranks
+from tests.harness.training import _to_bytes
 
 SMALL_BUCKETS = Strategy(sharding=ShardingConfig(bucket_size_mb=0.0005))
 

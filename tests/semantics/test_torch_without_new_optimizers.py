@@ -10,13 +10,13 @@ import types
 
 import torch
 
-from sharded_opt import optimizer_needs
+from sharded_opt.guards import optimizer_needs
 
 IMPORT_WITHOUT_THEM = """
 import torch
 del torch.optim.Muon, torch.optim.Adafactor
 import sharded_opt, sharded_opt.integrations
-from sharded_opt.optimizer_needs import TORCH_OPTIMIZERS
+from sharded_opt.guards.optimizer_needs import TORCH_OPTIMIZERS
 assert torch.optim.AdamW in TORCH_OPTIMIZERS and len(TORCH_OPTIMIZERS) == 11
 print("ok")
 """

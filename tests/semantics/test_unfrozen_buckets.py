@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
-from tests.dist_helper import run_ranks
+from tests.harness.dist_helper import run_ranks
 
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),  # element-wise layout

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from sharded_opt import ShardingStage1
-from tests.dist_helper import run_ranks
+from tests.harness.dist_helper import run_ranks
 
 
 def _model() -> torch.nn.Module:

@@ -1,0 +1,428 @@
+"""Conversion between the sharded optimizer state and torch's standard optimizer state dict.
+
+The standard format (``{"state": {index: {key: value}}, "param_groups": [...]}``, per param, in
+the param's own shape) is what ``torch.optim`` optimizers save and load, so a checkpoint moves
+freely between ``ShardingStage1`` on any number of ranks and a plain optimizer on one process.
+
+Note [Element-wise and scalar state]
+    The inner optimizer keeps state per piece of a param (see Note [Per-param pieces] in
+    ``local_shard``): element-wise tensors of the piece's numel (``exp_avg``,
+    ``momentum_buffer``...) and scalars (``step``), the same in every piece of a param. A param's
+    state exists exactly when torch's would: once it has been stepped with a grad. To save, the
+    rank that holds a param's first element (its *owner*) describes the param's state (keys,
+    which are element-wise and their dtypes, the scalar values) and one ``all_gather_object``
+    shares every description; each element-wise value is then assembled from the pieces every
+    rank holds. Loading does the reverse: a rank cuts its own pieces out of each full tensor and
+    copies the scalars. Which keys are element-wise cannot be read off a 0-dim param's state (its
+    ``exp_avg`` is 0-dim like ``step``), so it is learned by stepping a throwaway optimizer of
+    the same class and loaded configuration on a 2-element param.
+
+``StateDictExchange`` is the wrapper's ``state_dict`` / ``consolidate_state_dict`` /
+``load_state_dict`` around these conversions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fusion.buffers import flatten_to_slot, view_slot
+from fusion.layout import ParamSlot, ShardPiece
+from sharded_opt.comm.collective_guard import EntryGuard
+from sharded_opt.guards.param_guard import ParamWaiter
+from sharded_opt.step.inner_optimizer import (
+    ParamState,
+    constructor_kwargs,
+    hyperparameters,
+    indexed_groups,
+    is_elementwise,
+    load_param_states,
+    param_states,
+)
+from sharded_opt.step.optimizer_shards import OptimizerShards
+
+
+def local_pieces(shards: OptimizerShards) -> dict[int, ShardPiece]:
+    """For each laid-out param, the piece of it in this rank's local tensor (if any)."""
+    pieces: dict[int, ShardPiece] = {}
+    for bucket in shards.plan.buckets:
+        if shards.comm.sharded:
+            pieces.update((piece.param_index, piece) for piece in bucket.shard_pieces(shards.comm.rank))
+        else:
+            pieces.update(
+                (slot.param_index, ShardPiece(slot.param_index, 0, slot.offset, slot.numel))
+                for slot in bucket.slots
+            )
+    return pieces
+
+
+def describe_param_states(shards: OptimizerShards, local: dict[int, ParamState]) -> dict[int, dict[str, Any]]:
+    """Per param with state (every rank gets all of them; collective when sharded): per key,
+    ``("elementwise", dtype)`` or ``("scalar", value)``, from this rank's ``local`` states (as
+    :func:`param_states` returns them). See Note [Element-wise and scalar state]."""
+    pieces = local_pieces(shards)
+    own: dict[int, dict[str, Any]] = {}
+    for index, state in local.items():
+        if pieces[index].param_start != 0:
+            continue
+        first_inner = _first_inner_param(shards, index)
+        first_state = shards.inner.state[first_inner]
+        own[index] = {
+            key: ("elementwise", value.dtype)
+            if is_elementwise(first_state[key], first_inner)
+            else ("scalar", value)
+            for key, value in state.items()
+        }
+    if not shards.comm.sharded:
+        return dict(sorted(own.items()))  # param order, as torch's state_dict lists them
+    everyone: list[Any] = [None] * shards.groups.world_size
+    dist.all_gather_object(everyone, own, group=shards.groups.world)
+    merged: dict[int, dict[str, Any]] = {}
+    for descriptions in everyone:
+        merged.update(descriptions)
+    return dict(sorted(merged.items()))
+
+
+def _first_inner_param(shards: OptimizerShards, index: int) -> Tensor:
+    shard = shards.shard_of(index)
+    return shard.inner_params[shard.inner_owners.index(index)]
+
+
+GATHER_BATCH_BYTES = 16 * 2**20
+"""The most bytes of full state tensors one collective of :func:`gather_state_dict` assembles:
+a model's element-wise state travels in a few large collectives instead of one per param and
+key (each a round trip), while the transient memory beyond the local shards stays bounded."""
+
+
+def gather_state_dict(shards: OptimizerShards, to_rank: int | None) -> dict[str, Any] | None:
+    """The standard state dict (collective). See Note [Element-wise and scalar state].
+
+    With ``to_rank``, full tensors are reduced to that rank only and the others return None.
+    Full state tensors are assembled ``GATHER_BATCH_BYTES`` at a time beyond the local shards.
+    """
+    local = param_states(shards.inner, shards.live_shards())
+    descriptions = describe_param_states(shards, local)
+    state: dict[int, dict[str, Any]] = {}
+    elementwise: list[tuple[int, str, torch.dtype]] = []
+    for index, description in descriptions.items():
+        entry: dict[str, Any] = {}
+        for key, (kind, value) in description.items():
+            if kind == "scalar":
+                entry[key] = value.clone() if isinstance(value, Tensor) else value
+            else:
+                entry[key] = None  # assembled below, in this key order
+                elementwise.append((index, key, value))
+        state[index] = entry
+    pieces = local_pieces(shards)
+    for batch in _gather_batches(shards, elementwise):
+        for index, key, full in _assemble(shards, batch, local, pieces, to_rank):
+            state[index][key] = view_slot(full, shards.plan.slot(index))
+    if to_rank is not None and shards.groups.world_rank != to_rank:
+        return None
+    return {"state": state, "param_groups": indexed_groups(shards.param_groups)}
+
+
+def _gather_batches(
+    shards: OptimizerShards, elementwise: list[tuple[int, str, torch.dtype]]
+) -> list[list[tuple[int, str, torch.dtype]]]:
+    """``elementwise`` in order, cut into runs of one dtype and device of at most
+    ``GATHER_BATCH_BYTES`` (a larger tensor alone)."""
+    params = shards.buffers.params
+    batches: list[list[tuple[int, str, torch.dtype]]] = []
+    batch_bytes = 0
+    for entry in elementwise:
+        index, _, dtype = entry
+        nbytes = params[index].numel() * dtype.itemsize
+        last = batches[-1][-1] if batches else None
+        alike = last is not None and (last[2], params[last[0]].device) == (dtype, params[index].device)
+        if not alike or batch_bytes + nbytes > GATHER_BATCH_BYTES:
+            batches.append([])
+            batch_bytes = 0
+        batches[-1].append(entry)
+        batch_bytes += nbytes
+    return batches
+
+
+def _assemble(
+    shards: OptimizerShards,
+    batch: list[tuple[int, str, torch.dtype]],
+    local: dict[int, ParamState],
+    pieces: dict[int, ShardPiece],
+    to_rank: int | None,
+) -> list[tuple[int, str, Tensor]]:
+    """The full flat tensors of one batch, each param's own: this rank's pieces written into a
+    zeroed flat buffer, summed over the group in one collective, then cut apart."""
+    params = shards.buffers.params
+    first = params[batch[0][0]]
+    flat = torch.zeros(sum(params[i].numel() for i, _, _ in batch), dtype=batch[0][2], device=first.device)
+    spans = []
+    offset = 0
+    for index, key, _ in batch:
+        full = flat[offset : offset + params[index].numel()]
+        if index in local and _contributes(shards):
+            piece = pieces[index]
+            full[piece.param_start : piece.param_start + piece.numel] = local[index][key]
+        spans.append((index, key, offset))
+        offset += full.numel()
+    if shards.comm.sharded:
+        _sum_over_group(flat, shards, to_rank)
+    if to_rank is not None and shards.groups.world_rank != to_rank:
+        return []  # the sum went to another rank
+    return [(index, key, flat[start : start + params[index].numel()].clone()) for index, key, start in spans]
+
+
+def _contributes(shards: OptimizerShards) -> bool:
+    """Whether this rank's pieces go into the sum: with hybrid sharding every replica holds the
+    same pieces, so only the first replica's count (see Note [Hybrid sharding])."""
+    return not shards.comm.sharded or shards.groups.replica_rank == 0
+
+
+def _sum_over_group(tensor: Tensor, shards: OptimizerShards, to_rank: int | None) -> None:
+    # Pieces are disjoint and zero elsewhere, so the sum is the exact concatenation.
+    if to_rank is None:
+        dist.all_reduce(tensor, group=shards.groups.world)
+    else:
+        dist.reduce(tensor, dst=dist.get_global_rank(shards.groups.world, to_rank), group=shards.groups.world)
+
+
+def expected_state_keys(
+    shards: OptimizerShards, hyper: dict[str, Any], probe_shape: tuple[int, ...] = (2,)
+) -> dict[str, bool]:
+    """State keys the optimizer class keeps for a param of a group configured by ``hyper``, each
+    mapped to whether it is element-wise, found by stepping a throwaway copy on a param of
+    ``probe_shape``: 2 elements, or for a class that steps whole params, 2 along each of the
+    param's dims (Adafactor keeps other keys for matrices than for vectors, Muon takes only
+    matrices)."""
+    inner = shards.inner
+    probe = torch.zeros(probe_shape, dtype=shards.plan.buckets[0].dtype, requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    throwaway = type(inner)([{**hyper, "params": [probe]}], **constructor_kwargs(inner))
+    throwaway.step()
+    return {key: is_elementwise(value, probe) for key, value in throwaway.state[probe].items()}
+
+
+def load_state_dict(shards: OptimizerShards, state_dict: dict[str, Any]) -> None:
+    """Validate a standard state dict completely, then install this rank's shard of it."""
+    params = shards.buffers.params
+    _check_structure(shards, state_dict)
+    saved_groups = state_dict["param_groups"]
+    saved_ids = [i for group in saved_groups for i in group["params"]]
+    by_position = {saved_id: position for position, saved_id in enumerate(saved_ids)}
+    unknown = [k for k in state_dict["state"] if k not in by_position]
+    if unknown:
+        raise ValueError(
+            f"ShardingStage1.load_state_dict: state for param ids {unknown[:8]} that no param group lists"
+        )
+    saved_state = {by_position[k]: v for k, v in state_dict["state"].items()}
+    group_of = [g for g, group in enumerate(saved_groups) for _ in group["params"]]
+    expected = _ExpectedKeys(shards, saved_groups, group_of)
+    for position, entry in saved_state.items():
+        _check_param_state(shards, position, params[position], entry, expected.of(position))
+    for position in saved_state:
+        shards.materialize(shards.bucket_of(position))
+    local_states = _local_states(shards, saved_state, expected)
+    for ours, saved in zip(shards.param_groups, saved_groups, strict=True):
+        ours.update(hyperparameters(saved))
+    load_param_states(shards.inner, shards.live_shards(), local_states, shards.param_groups)
+
+
+def _check_structure(shards: OptimizerShards, state_dict: Any) -> None:
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+        raise ValueError(
+            "ShardingStage1.load_state_dict expects a torch optimizer state dict with 'state' and "
+            f"'param_groups' but got {type(state_dict).__name__}"
+            + (f" with keys {sorted(map(str, state_dict))}" if isinstance(state_dict, dict) else "")
+        )
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(shards.param_groups):
+        raise ValueError(
+            f"ShardingStage1.load_state_dict expects {len(shards.param_groups)} param groups but the "
+            f"state dict has {len(saved_groups)}; it was saved from a differently built optimizer"
+        )
+    for index, (ours, saved) in enumerate(zip(shards.param_groups, saved_groups, strict=True)):
+        if len(ours["params"]) != len(saved["params"]):
+            raise ValueError(
+                f"ShardingStage1.load_state_dict expects {len(ours['params'])} params in group {index} "
+                f"but the state dict has {len(saved['params'])}"
+            )
+
+
+def _check_param_state(
+    shards: OptimizerShards, position: int, param: Tensor, entry: Any, expected: dict[str, bool]
+) -> None:
+    if not isinstance(entry, dict):
+        raise ValueError(
+            f"ShardingStage1.load_state_dict: the state of param {position} is a "
+            f"{type(entry).__name__}, not a dict of state values"
+        )
+    if set(entry) != set(expected):
+        raise ValueError(
+            f"ShardingStage1.load_state_dict: param {position} has state keys {sorted(entry)} but "
+            f"{type(shards.inner).__name__} configured as the saved param group keeps "
+            f"{sorted(expected)}; the state dict was saved from another optimizer class or configuration"
+        )
+    for key, elementwise in expected.items():
+        value = entry[key]
+        if elementwise and (not isinstance(value, Tensor) or value.shape != param.shape):
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(
+                f"ShardingStage1.load_state_dict: state {key!r} of param {position} has shape {shape} "
+                f"but the param has shape {tuple(param.shape)}"
+            )
+
+
+class _ExpectedKeys:
+    """:func:`expected_state_keys` per param position: one probe per saved group, and for a
+    class that steps whole params per group and number of dims."""
+
+    def __init__(
+        self, shards: OptimizerShards, saved_groups: list[dict[str, Any]], group_of: list[int]
+    ) -> None:
+        self._shards = shards
+        self._saved_groups = saved_groups
+        self._group_of = group_of
+        self._probed: dict[tuple[int, tuple[int, ...]], dict[str, bool]] = {}
+
+    def of(self, position: int) -> dict[str, bool]:
+        group = self._group_of[position]
+        plan = self._shards.plan
+        bucket = plan.buckets[plan.slot(position).bucket_index]
+        shape = (2,) * len(self._shards.buffers.params[position].shape) if bucket.whole_params else (2,)
+        key = (group, shape)
+        if key not in self._probed:
+            hyper = hyperparameters(self._saved_groups[group])
+            self._probed[key] = expected_state_keys(self._shards, hyper, shape)
+        return self._probed[key]
+
+
+def _local_states(
+    shards: OptimizerShards, saved_state: dict[int, dict], expected: _ExpectedKeys
+) -> dict[int, ParamState]:
+    """Per param with saved state and a piece on this rank, its local state."""
+    pieces = local_pieces(shards)
+    states: dict[int, ParamState] = {}
+    for position, entry in saved_state.items():
+        piece = pieces.get(position)
+        if piece is None:
+            continue
+        elementwise = expected.of(position)
+        states[position] = {
+            key: _cut(value, piece, shards.plan.slot(position)) if elementwise[key] else value
+            for key, value in entry.items()
+        }
+    return states
+
+
+def _cut(value: Tensor, piece: ShardPiece, slot: ParamSlot) -> Tensor:
+    """This rank's piece of a full state tensor, in the slot's memory order. A copy: the
+    optimizer updates its state in place and must not write into the caller's dict."""
+    flat = flatten_to_slot(value, slot)
+    return flat[piece.param_start : piece.param_start + piece.numel].clone()
+
+
+class StateDictExchange:
+    """The state-dict calls of ``ShardingStage1`` around the conversions above: each first checks
+    that every rank called it (Note [Collectives entered by some ranks] in ``collective_guard``)
+    and waits for the all-gathers in flight, torch's state-dict hooks of the wrapper run around
+    the conversion, and what ``consolidate_state_dict`` gathered is kept until the next
+    ``step()`` or ``load_state_dict()`` changes the state.
+
+    Args:
+        shards: the layout, shards and inner optimizer the conversions read.
+        params_ready: waits for the all-gathers still writing the params.
+        entry_timeout_s: how long to wait for every rank to call; None: the group's own timeout.
+    """
+
+    def __init__(self, shards: OptimizerShards, params_ready: ParamWaiter, entry_guard: EntryGuard) -> None:
+        self._shards = shards
+        self._params_ready = params_ready
+        self._entry_guard = entry_guard
+        self._consolidated: _Consolidated | None = None
+
+    def discard_consolidated(self) -> None:
+        """The state is about to change (``step()``): what was consolidated is stale."""
+        self._consolidated = None
+
+    def state_dict(self, wrapper: torch.optim.Optimizer, to_rank: int | None) -> dict[str, Any] | None:
+        """See ``ShardingStage1.state_dict``; ``wrapper``'s hooks run around it."""
+        world_size = self._shards.groups.world_size
+        if to_rank is not None and not 0 <= to_rank < world_size:
+            raise ValueError(
+                f"ShardingStage1.state_dict expects to_rank in [0, {world_size}) but got {to_rank}"
+            )
+        consolidated = self._consolidated if to_rank is None else None
+        if consolidated is None:
+            self._params_ready.finish_param_sync()
+            self._check_all_ranks_enter(
+                "state_dict", "Call opt.state_dict(to_rank=0) on every rank (the others get None)"
+            )
+        for pre_hook in wrapper._optimizer_state_dict_pre_hooks.values():
+            pre_hook(wrapper)
+        if consolidated is None:
+            state = gather_state_dict(self._shards, to_rank)
+        else:
+            state = self._consolidated_state_dict(consolidated)
+        if state is not None:
+            for post_hook in wrapper._optimizer_state_dict_post_hooks.values():
+                state = _replaced_by(post_hook(wrapper, state), state)
+        return state
+
+    def consolidate(self, to: int) -> None:
+        """See ``ShardingStage1.consolidate_state_dict``."""
+        world_size = self._shards.groups.world_size
+        if not 0 <= to < world_size:
+            raise ValueError(
+                f"ShardingStage1.consolidate_state_dict expects to in [0, {world_size}) but got {to}"
+            )
+        self._consolidated = None
+        self._params_ready.finish_param_sync()
+        self._check_all_ranks_enter(
+            "consolidate_state_dict", f"Call opt.consolidate_state_dict(to={to}) on every rank"
+        )
+        gathered = gather_state_dict(self._shards, to)
+        self._consolidated = _Consolidated(to, None if gathered is None else gathered["state"])
+
+    def load_state_dict(self, wrapper: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """See ``ShardingStage1.load_state_dict``; ``wrapper``'s hooks run around it."""
+        self._consolidated = None
+        self._params_ready.finish_param_sync()
+        self._check_all_ranks_enter("load_state_dict", "Call opt.load_state_dict(sd) on every rank")
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for pre_hook in wrapper._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = _replaced_by(pre_hook(wrapper, state_dict), state_dict)
+        load_state_dict(self._shards, state_dict)
+        for post_hook in wrapper._optimizer_load_state_dict_post_hooks.values():
+            post_hook(wrapper)
+
+    def _consolidated_state_dict(self, consolidated: _Consolidated) -> dict[str, Any]:
+        if consolidated.state is None:
+            raise RuntimeError(
+                f"ShardingStage1.state_dict: consolidate_state_dict(to={consolidated.rank}) gathered the "
+                f"state on rank {consolidated.rank}, so until the next step() only that rank's "
+                f"state_dict() returns it (this is rank {self._shards.groups.world_rank}). Call "
+                f"opt.state_dict() on rank {consolidated.rank} alone, or opt.state_dict() / "
+                "opt.state_dict(to_rank=...) on every rank"
+            )
+        # The param groups are read now: a scheduler may have changed them since consolidating.
+        return {"state": consolidated.state, "param_groups": indexed_groups(self._shards.param_groups)}
+
+    def _check_all_ranks_enter(self, method: str, fix: str) -> None:
+        self._entry_guard.check(f"ShardingStage1.{method}", fix)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Consolidated:
+    """What ``consolidate_state_dict`` gathered: the rank it went to, and there the ``"state"``
+    part of the state dict (None on the other ranks)."""
+
+    rank: int
+    state: dict[int, dict[str, Any]] | None
+
+
+def _replaced_by(hook_result: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """torch's hook protocol: a state-dict hook returns a new dict, or None to keep the old one."""
+    return state_dict if hook_result is None else hook_result
