@@ -305,9 +305,8 @@ def view_align_numel(numel: int, itemsize: int) -> int:
     as a dtype of up to ``MAX_VIEW_ALIGN_BYTES`` bytes possible: the largest power of two that
     divides its size in bytes, at most that many bytes."""
     size_bytes = numel * itemsize
-    if size_bytes == 0:
-        return 1
-    return max(1, min(size_bytes & -size_bytes, MAX_VIEW_ALIGN_BYTES) // itemsize)
+    largest = size_bytes & -size_bytes if size_bytes else 1  # the largest power of two dividing it
+    return max(1, min(largest, MAX_VIEW_ALIGN_BYTES) // itemsize)
 
 
 def plan_layout(

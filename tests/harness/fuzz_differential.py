@@ -1,7 +1,7 @@
-"""Differential fuzzing outside the suite: many drawn programs (``tests/harness/differential.py``) per
-world size, sharded against plain torch, with a report of every program that differs.
+"""Differential fuzzing outside the suite: many drawn programs (``tests/harness/differential.py``)
+per world size, sharded against plain torch, with a report of every program that differs.
 
-    python -m tests.harness.fuzz_differential --programs 300 --world-sizes 2,3,4 --seed 7 --time-limit-s 900
+    python -m tests.harness.fuzz_differential --programs 300 --world-sizes 2,3,4 --seed 7
 
 Each world size runs all its programs in one spawn (starting ranks costs seconds), each program
 sync and overlap. On world sizes with a proper divisor, about a third of the programs shard
@@ -26,14 +26,10 @@ seconds) and writes it to ``out/campaign-<seed>.json``; the exit status is 1 if 
 or a world size ran out of time before its last program. ``--concurrent`` runs the world sizes
 at once, each in a process of its own (only worth it with more cores than ranks).
 
-Cost, measured on the 2-core machine the project develops on: 6 programs of the earlier program
-space at 2 ranks in 30 s when the machine was idle (5 s a program, sync and overlap); with this
-program space and the machine shared with three other jobs (load 7 to 15), 30 programs in 204 s
-at 2 ranks and in 779 s at 3 ranks (7 and 26 s a program; a compiled program alone costs about
-50 s at 2 ranks). So 300 programs take about 35 minutes at 2 ranks and 2 hours at 3 on such a
-loaded machine, 4 ranks more again (not measured): the campaign one by one takes most of a
-working day there, far less on an idle machine. ``--concurrent`` only helps with more cores
-than ranks. The time limits (``CAMPAIGN_TIME_LIMIT_S``) leave room for that load.
+Cost on the 2-core machine the project develops on (one campaign at a time, other jobs beside
+it): 300 programs in about 20 minutes at 2 ranks, 27 at 3 and 42 at 4; 150 programs in 7 minutes
+at 2 ranks and 100 in 5 at 3 while the test suite ran beside them. ``--concurrent`` only helps
+with more cores than ranks. The time limits (``CAMPAIGN_TIME_LIMIT_S``) leave room for load.
 """
 
 from __future__ import annotations
