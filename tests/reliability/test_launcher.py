@@ -340,7 +340,7 @@ def _refused_step(point_to_point: bool) -> None:
 
 _SPAWN_A_REFUSED_STEP = """
 import sys
-from sharded_opt import launcher
+from sharded_opt.launch import launcher
 from tests.reliability.test_launcher import _refused_step
 
 measure = launcher.exit_codes_after_first_failure
