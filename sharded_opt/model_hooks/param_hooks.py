@@ -85,7 +85,10 @@ their whole subtree and run with the read guard set aside, see Note [Reads right
 
 
 class GatheredBucket(Protocol):
-    """A bucket whose params are all-gathered after each step (``sharded_opt.step.bucket.Bucket``)."""
+    """A bucket whose params are all-gathered after each step (``sharded_opt.step.bucket.Bucket``);
+    ``index`` is its position in the layout, as ``slot.bucket_index`` names it."""
+
+    index: int
 
     def finish_param_sync(self) -> None:
         """Make the current stream (on CPU: the host) wait for the bucket's latest all-gather."""
@@ -176,11 +179,11 @@ class ParamReadyWaiter:
         if bucket_index in self._gathered_versions:
             self.finish([bucket_index], check_writes=False)
 
-    def gathers_started(self, bucket_indices: Iterable[int]) -> None:
-        """Record the params' version counters as ``step()`` issues the buckets' all-gathers,
+    def gathers_started(self, buckets: Iterable[GatheredBucket]) -> None:
+        """Record the params' version counters as ``step()`` issues the ``buckets``' all-gathers,
         see Note [Writes while params are gathered]."""
-        for index in bucket_indices:
-            self._gathered_versions[index] = self._versions(index)
+        for bucket in buckets:
+            self._gathered_versions[bucket.index] = self._versions(bucket.index)
         self._read_guard.start(frozenset(self._gathered_versions))
 
     def finish(self, bucket_indices: Iterable[int] | None = None, check_writes: bool = True) -> None:

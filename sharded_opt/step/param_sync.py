@@ -62,7 +62,7 @@ class ParamSync:
         if self._waiter is None or self._waiter.forward_compiled:
             self._finish_all()
         else:
-            self._waiter.gathers_started([bucket.index for bucket in self.pending_buckets()])
+            self._waiter.gathers_started(self.pending_buckets())
 
     def finish_param_sync(self) -> None:
         """Wait until every param holds its updated value; see ``ShardingStage1.sync_params``."""
