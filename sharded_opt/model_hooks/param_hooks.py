@@ -70,7 +70,7 @@ from fusion.buffers import FlatBuffers
 from sharded_opt.comm import collectives
 from sharded_opt.model_hooks.compiled_waits import TRACED_WAITS, GraphWaits
 from sharded_opt.model_hooks.read_guard import ReadGuard
-from sharded_opt.model_hooks.weak_hooks import WeakMethodHook, remove_handles
+from sharded_opt.model_hooks.weak_hooks import WeakMethodHook
 
 _READS_CHILDRENS_PARAMS = (
     nn.MultiheadAttention,
@@ -332,9 +332,6 @@ class BufferBroadcaster:
         self.handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(WeakMethodHook(self._broadcast))
         ]
-
-    def remove_hooks(self) -> None:
-        remove_handles(self.handles)
 
     def _broadcast(self, module: nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled():

@@ -118,7 +118,6 @@ from sharded_opt.guards.messages import DROP_DDP
 from sharded_opt.model_hooks.weak_hooks import (
     CopiesAsInert,
     register_accumulate_hook,
-    remove_handles,
     retire_hooks,
 )
 from sharded_opt.step.backward_end import BackwardEnd
@@ -308,11 +307,6 @@ class GradReadyTracker:
             return False
         self.received[param_index] = 1
         return True
-
-    def remove_hooks(self) -> None:
-        remove_handles(self.handles)
-        self._hooked = bytearray(len(self._buffers.params))
-        self._requires_grad_at_scan = None
 
     def _begin_backward(self) -> None:
         """The first hook of a backward: read ``requires_grad`` again (Note [Which params got a
