@@ -14,12 +14,11 @@ Note [Hook cost] in ``sharded_opt.step.grad_hooks``.
 from __future__ import annotations
 
 import argparse
-import socket
 import time
 
 import torch
-import torch.distributed as dist
 
+from benchmarks.inner_step import one_rank_group
 from sharded_opt import ShardingStage1
 
 WARMUP = 5
@@ -53,14 +52,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=80)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with one_rank_group():
         seconds = {mode: backward_seconds(mode, args.params, args.repeats) for mode in MODES}
-    finally:
-        dist.destroy_process_group()
     print("| mode | backward (ms) | per param over plain (us) |")
     print("|---|---|---|")
     for mode in MODES:

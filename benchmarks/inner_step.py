@@ -11,9 +11,11 @@ case for per-param work). Grads come from one backward and stay in place; each t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,6 +80,19 @@ def measure(workload: str, optimizer: str, repeats: int) -> dict[str, float]:
     return {mode: statistics.median(values) for mode, values in times.items()}
 
 
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A gloo world of this process alone, for the wrapper's own work at world size 1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
@@ -85,19 +100,13 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["default_gpt", "scalars"])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with one_rank_group():
         print(f"| workload | plain {args.optimizer} step (ms) | ShardingStage1 step (ms) | ratio |")
         print("|---|---|---|---|")
         for workload in args.workloads:
             result = measure(workload, args.optimizer, args.repeats)
             ratio = result["wrapped"] / result["plain"]
             print(f"| {workload} | {result['plain']:.2f} | {result['wrapped']:.2f} | {ratio:.3f} |")
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ from sharded_opt.guards.wrapped_guard import ADD_GROUPS_FIRST, WrappedOptimizerG
 from sharded_opt.model_hooks.weak_hooks import remove_handles
 from sharded_opt.state.state_dict import StateDictExchange
 from sharded_opt.state.state_view import ShardedStateView
-from sharded_opt.step.bucket import Bucket
 from sharded_opt.step.grad_clipping import GradClipping
 from sharded_opt.step.grad_sync import GradSync
 from sharded_opt.step.param_sync import ParamSync
@@ -411,7 +410,7 @@ class ShardingStage1(torch.optim.Optimizer):
         self._hook_handles: list[RemovableHandle] = []
         # The tracker's list, not a copy: it grows when params are unfrozen later.
         self._release = weakref.finalize(
-            self, _release_hooks, self.shards.buckets, self._hook_handles, self.grad_sync.tracker.handles
+            self, _release_hooks, self._param_sync, self._hook_handles, self.grad_sync.tracker.handles
         )
         # At interpreter exit the process group may be gone; there is nothing to wait for then.
         self._release.atexit = False
@@ -459,10 +458,9 @@ class ShardingStage1(torch.optim.Optimizer):
         )
 
 
-def _release_hooks(buckets: list[Bucket], *handle_lists: list[RemovableHandle]) -> None:
+def _release_hooks(param_sync: ParamSync, *handle_lists: list[RemovableHandle]) -> None:
     """Finish the all-gathers still writing the params (a new wrapper may copy them next), then
     remove every hook."""
-    for bucket in buckets:
-        bucket.finish_param_sync()
+    param_sync.finish_gathers()
     for handles in handle_lists:
         remove_handles(handles)

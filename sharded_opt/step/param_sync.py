@@ -50,8 +50,10 @@ class ParamSync:
         """Buckets whose updated params are still being all-gathered."""
         return [bucket for bucket in self._buckets if bucket.param_sync_pending]
 
-    def _finish_all(self) -> None:
-        """Make the current stream (on CPU: the host) wait for every bucket's latest all-gather."""
+    def finish_gathers(self) -> None:
+        """Make the current stream (on CPU: the host) wait for every bucket's latest all-gather,
+        without the attached model's check for writes during them (also what a dropped wrapper's
+        finalizer runs)."""
         for bucket in self._buckets:
             bucket.finish_param_sync()
 
@@ -60,14 +62,14 @@ class ParamSync:
         forward's per-module waits (not when that forward ran compiled, see Note
         [torch.compile] in ``param_hooks``)."""
         if self._waiter is None or self._waiter.forward_compiled:
-            self._finish_all()
+            self.finish_gathers()
         else:
             self._waiter.gathers_started(self.pending_buckets())
 
     def finish_param_sync(self) -> None:
         """Wait until every param holds its updated value; see ``ShardingStage1.sync_params``."""
         if self._waiter is None:
-            self._finish_all()
+            self.finish_gathers()
         else:
             self._waiter.finish()
 
