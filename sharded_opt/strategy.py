@@ -69,6 +69,23 @@ class ShardingConfig:
     numbers are in ``benchmarks/results/2026-12-03-gloo-p2p-cpu-2core.md`` and
     ``benchmarks/results/2026-12-03-presence-group-cpu-2core.md``."""
 
+    grad_compression: str | None = None
+    """What each bucket's grads are sent as in the reduce-scatter: None (the default) sends them
+    as they are, exact; ``"bf16"`` rounds each element to bf16 (half of fp32's bytes);
+    ``"int8"`` sends block-wise absmax int8 codes with one fp32 scale per block (about a quarter
+    of fp32's bytes). Each element is quantized once, by its sender, and the owner dequantizes
+    the received slices and sums them in fp32 in rank order, so the result is the same on every
+    run and in sync and overlap mode. See Note [Compressed wire] in
+    ``sharded_opt/comm/compression.py`` and ``docs/compression.md``."""
+
+    param_compression: str | None = None
+    """What the all-gather of updated params sends: None (the default) sends the params as they
+    are; ``"int8"`` sends block-wise int8 deltas against the params every rank holds. The owner
+    keeps an exact master of its shard, and every rank, the owner included, adds the same
+    dequantized delta, so all ranks hold bitwise the same params and trail the master by at most
+    one step's quantization error (the next delta carries it). Costs a master copy and a copy of
+    the last sent params of the local shard. See Note [Compressed wire]."""
+
     broadcast_buffers: bool = True
     """DDP's option of the same name: with a model attached, copy every buffer (BatchNorm's
     running statistics, ...) from the group's first rank before each forward with grad enabled,
@@ -105,6 +122,12 @@ class Strategy:
             )
 
 
+_COMPRESSION_CHOICES: dict[str, tuple[str | None, ...]] = {
+    "grad_compression": (None, "bf16", "int8"),
+    "param_compression": (None, "int8"),
+}
+
+
 def _check_field(name: str, value: Any) -> None:
     if name in ("enable", "enable_overlap", "broadcast_buffers", "gloo_point_to_point"):
         if not isinstance(value, bool):
@@ -139,6 +162,10 @@ def _check_field(name: str, value: Any) -> None:
                 f"Strategy.sharding.collective_entry_timeout_s expects None or a finite number of "
                 f"seconds > 0 but got {value!r}"
             )
+    elif name in _COMPRESSION_CHOICES:
+        if value not in _COMPRESSION_CHOICES[name]:
+            accepted = ", ".join(repr(choice) for choice in _COMPRESSION_CHOICES[name])
+            raise ValueError(f"Strategy.sharding.{name} expects one of {accepted} but got {value!r}")
     elif name in ("reduce_dtype", "master_dtype"):
         if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
             raise ValueError(
