@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from sharded_opt.guards.messages import closed_error
 from sharded_opt.state.checkpoint_pieces import ParamPiece, PieceLoadPlanner, PieceSavePlanner
 from sharded_opt.state.state_dict import describe_param_states, local_pieces
+from sharded_opt.step.bucket import republish_exactly
 from sharded_opt.step.inner_optimizer import load_param_states, param_states
 
 if TYPE_CHECKING:
@@ -240,11 +241,16 @@ class _LoadPlan:
             for shard in optimizer.shards.live_shards():
                 if shard.master is None:
                     continue
+                if shard.published is not None:
+                    shard.master.copy_(shard.param_view)  # the loaded params, where no master was saved
                 for piece in shard.pieces:
                     master = masters.get(piece.param_index)
                     if master is not None:
                         shard.master[piece.shard_start : piece.shard_start + piece.numel] = master
-                shard.refresh_master()
+                if shard.published is None:
+                    shard.refresh_master()
+        # Params shared as deltas trail their masters: rebuild them exactly from the loaded ones.
+        republish_exactly(shards.buckets, shards.comm)
 
 
 def _parse_state_name(name: str) -> tuple[int, str | None] | None:

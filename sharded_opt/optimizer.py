@@ -337,11 +337,21 @@ class ShardingStage1(torch.optim.Optimizer):
 
         Keys: ``params`` and ``grads`` (the flat buffers, padding included), ``reduced_grads``
         (the averaged grads the optimizer steps, when not the grad buffer itself), ``master``
-        (master copies of the local shard), ``optimizer_state``, ``staging`` (casts of grads to
-        ``reduce_dtype`` for the reduce-scatter, Note [Bounded staging] in ``comm_context``; none
-        on CPU gloo, which widens on receipt).
+        (master copies of the local shard), ``published`` (with ``param_compression``: the local
+        shard's params as last sent, Note [Compressed wire] in ``compression``),
+        ``optimizer_state``, ``staging`` (casts of grads to ``reduce_dtype`` for the
+        reduce-scatter, Note [Bounded staging] in ``comm_context``; none on CPU gloo, which
+        widens on receipt).
         """
         return self.shards.memory_bytes()
+
+    def wire_bytes(self) -> dict[str, int]:
+        """Bytes this rank has sent to its peers for the buckets' collectives since the wrapper
+        was built, counted from each payload as it is issued: ``grads`` (reductions), ``params``
+        (all-gathers), ``replicas`` (hybrid sharding's all-reduces) and ``total``. The difference
+        over a step is that step's traffic; compare ``grad_compression``/``param_compression``
+        settings with it (Note [Compressed wire] in ``sharded_opt/comm/compression.py``)."""
+        return self.shards.comm.wire.as_dict()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_layout_frozen", False):

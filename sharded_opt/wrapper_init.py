@@ -21,6 +21,7 @@ from sharded_opt.guards.optimizer_needs import OptimizerNeeds
 from sharded_opt.guards.param_guard import ParamGuard
 from sharded_opt.guards.validation import (
     TORCH_OPTIMIZERS,
+    check_compression,
     check_holds_trained_params,
     check_optimizer,
     check_trained_modules,
@@ -98,6 +99,13 @@ def plan_buckets(
     """The bucket layout (whole params per owner where the class ``needs`` them) and each
     bucket's precisions; settings torch refuses only at the first step are refused now (Note
     [Refused at the first step] in ``inner_optimizer``)."""
+    check_compression(
+        config.grad_compression,
+        config.param_compression,
+        sharded=config.enable,
+        hybrid=groups.replicate is not None,
+        specs=specs,
+    )
     sharded = config.enable and groups.shard_size > 1
     bucket_sizes = config.bucket_sizes(trainable_bytes(specs))
     plan = plan_layout(
@@ -108,8 +116,10 @@ def plan_buckets(
         first_bucket_bytes=bucket_sizes.first_bucket_bytes,
         whole_param_cost=needs.param_cost if needs.whole_params else None,
     )
+    deltas = shares_param_deltas(config, groups)
     precisions = [
-        resolve_precision(bucket.dtype, config.reduce_dtype, config.master_dtype) for bucket in plan.buckets
+        resolve_precision(bucket.dtype, config.reduce_dtype, config.master_dtype, delta_params=deltas)
+        for bucket in plan.buckets
     ]
     if type(optimizer) in TORCH_OPTIMIZERS:
         check_steps(
@@ -121,6 +131,12 @@ def plan_buckets(
             probe_shape=(2, 2) if needs.whole_params else (2,),
         )
     return plan, precisions
+
+
+def shares_param_deltas(config: ShardingConfig, groups: ShardGroups) -> bool:
+    """Updated params travel as compressed deltas: ``param_compression`` on a sharded group of
+    several ranks (Note [Compressed wire] in ``sharded_opt/comm/compression.py``)."""
+    return config.param_compression is not None and config.enable and groups.shard_size > 1
 
 
 def build_shards(
@@ -141,6 +157,8 @@ def build_shards(
         sharding=config.enable,
         point_to_point=config.gloo_point_to_point,
         device=plan.buckets[0].device,
+        grad_compression=config.grad_compression,
+        param_compression=config.param_compression,
     )
     buckets = build_buckets(buffers, precisions, comm)
     if optimizer.state:

@@ -250,7 +250,7 @@ class P2PWorks:
         return True
 
 
-def _exchange(sends: list[Tensor], receives: list[Tensor], group: ProcessGroup) -> P2PWorks:
+def exchange(sends: list[Tensor], receives: list[Tensor], group: ProcessGroup) -> P2PWorks:
     """Post every message at once: ``sends[p]`` to group rank p and ``receives[p]`` from it, for
     every peer p. See Note [Reduce-scatter on gloo]."""
     rank, world_size = group.rank(), group.size()
@@ -268,7 +268,7 @@ def _all_gather_by_p2p(output: Tensor, input: Tensor, group: ProcessGroup) -> P2
     own = slots[group.rank()]
     if input.data_ptr() != own.data_ptr():
         own.copy_(input.reshape(-1))
-    return _exchange([own] * group.size(), slots, group)
+    return exchange([own] * group.size(), slots, group)
 
 
 def _all_gather_by_broadcasts(output: Tensor, input: Tensor, group: ProcessGroup) -> P2PWorks:
@@ -308,7 +308,7 @@ def start_reduce_scatter_by_p2p(received: Tensor, input: Tensor, group: ProcessG
     slices = list(input.view(world_size, -1).unbind())
     rows = list(received.view(world_size, -1).unbind())
     rows[rank].copy_(slices[rank])
-    return _exchange(slices, rows, group)
+    return exchange(slices, rows, group)
 
 
 def sum_received(output: Tensor, received: Tensor, world_size: int) -> None:

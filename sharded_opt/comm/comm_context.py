@@ -79,6 +79,8 @@ class CommContext:
         point_to_point: ``ShardingConfig.gloo_point_to_point``, see Note [Reduce-scatter on
             gloo] in ``collectives``.
         device: the buckets' device (the comm stream's).
+        grad_compression, param_compression: ``ShardingConfig``'s fields of these names (used
+            only when sharded), see Note [Compressed wire] in ``compression``.
     """
 
     def __init__(
@@ -91,9 +93,14 @@ class CommContext:
         replicate_group: ProcessGroup | None,
         point_to_point: bool,
         device: torch.device,
+        grad_compression: str | None = None,
+        param_compression: str | None = None,
     ) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
         self.sharded = sharded and world_size > 1
+        self.grad_compression = grad_compression if self.sharded else None
+        self.param_compression = param_compression if self.sharded else None
+        self.wire = WireBytes()
         self.replicate_group = replicate_group if self.sharded else None
         self.point_to_point = point_to_point
         self.stream = new_comm_stream(device)
@@ -109,7 +116,14 @@ class CommContext:
 
     @classmethod
     def for_groups(
-        cls, groups: ShardGroups, *, sharding: bool, point_to_point: bool, device: torch.device
+        cls,
+        groups: ShardGroups,
+        *,
+        sharding: bool,
+        point_to_point: bool,
+        device: torch.device,
+        grad_compression: str | None = None,
+        param_compression: str | None = None,
     ) -> CommContext:
         """Sharded over the shard group where sharding is on (``ShardingConfig.enable``) and it
         has several ranks; otherwise all-reducing (or, on one rank, leaving) the grads of the
@@ -123,6 +137,8 @@ class CommContext:
                 replicate_group=groups.replicate,
                 point_to_point=point_to_point,
                 device=device,
+                grad_compression=grad_compression,
+                param_compression=param_compression,
             )
         return cls(
             groups.world,
@@ -141,6 +157,27 @@ class CommContext:
         self.staging.forget_readers()
         if self.receives is not None:
             self.receives.forget()
+
+
+class WireBytes:
+    """Bytes this rank has put on the wire for the buckets' collectives since the wrapper was
+    built, counted from the payloads as they are issued: what a grad reduction or a param
+    all-gather sends to its peers ((N-1)/N of the bucket in its wire dtype for the exact
+    collectives, a row of codes to each peer for compressed ones, Note [Compressed wire] in
+    ``compression``), and the replica all-reduces of hybrid sharding (a ring's 2(R-1)/R)."""
+
+    def __init__(self) -> None:
+        self.grads = 0
+        self.params = 0
+        self.replicas = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "grads": self.grads,
+            "params": self.params,
+            "replicas": self.replicas,
+            "total": self.grads + self.params + self.replicas,
+        }
 
 
 class ReplicaChain:

@@ -273,3 +273,52 @@ def _describe(signature: tuple) -> str:
     frozen = "" if requires_grad else " (frozen)"
     layout = "" if strides is None else f" with strides {list(strides)}"
     return f"shape {list(shape)} {dtype}{layout} in group {group_index}{frozen}"
+
+
+def check_compression(
+    grad_compression: str | None,
+    param_compression: str | None,
+    *,
+    sharded: bool,
+    hybrid: bool,
+    specs: list[ParamSpec],
+) -> None:
+    """Refuse a ``grad_compression``/``param_compression`` setting the compressed collectives do
+    not support (Note [Compressed wire] in ``sharded_opt/comm/compression.py``): they replace the
+    sharded reduce-scatter and all-gather of CPU tensors on gloo and nothing else.
+
+    Raises:
+        ValueError: naming the setting, what it met and what is accepted.
+    """
+    chosen = [
+        f"{name}={value!r}"
+        for name, value in (("grad_compression", grad_compression), ("param_compression", param_compression))
+        if value is not None
+    ]
+    if not chosen:
+        return
+    setting = "Strategy().sharding." + " and ".join(chosen)
+    off = "or leave grad_compression and param_compression at None (exact)"
+    if not sharded:
+        raise ValueError(
+            f"ShardingStage1 got {setting} with enable=False: compression replaces the sharded "
+            f"reduce-scatter and all-gather, which plain data parallel does not run. Set enable=True, {off}"
+        )
+    if hybrid:
+        raise ValueError(
+            f"ShardingStage1 got {setting} with hybrid sharding (degree or device_mesh): compressed "
+            f"replica all-reduces are not supported. Shard over every rank (degree=None), {off}"
+        )
+    devices = sorted({spec.device.type for spec in specs} - {"cpu"})
+    if devices:
+        raise ValueError(
+            f"ShardingStage1 got {setting} for params on {devices[0]}: compressed collectives run "
+            "on CPU tensors over gloo only (not tried on accelerators or NCCL). Keep the params on "
+            f"the CPU, {off}"
+        )
+    kinds = sorted({str(spec.dtype) for spec in specs if not spec.dtype.is_floating_point})
+    if kinds:
+        raise ValueError(
+            f"ShardingStage1 got {setting} for params of dtype {kinds[0]}: compression accepts real "
+            f"floating-point params only (float32, bfloat16, float16, float64). Exclude those params, {off}"
+        )

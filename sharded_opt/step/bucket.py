@@ -68,7 +68,7 @@ from torch.futures import Future
 
 from fusion.buffers import FlatBuffers
 from fusion.layout import BucketPlan
-from sharded_opt.comm import collectives
+from sharded_opt.comm import collectives, compression
 from sharded_opt.comm.comm_context import CommContext
 from sharded_opt.comm.streams import (
     note_current_stream,
@@ -117,6 +117,8 @@ class Bucket:
         "_param_work",
         "_param_event",
         "_param_waited",
+        "_grad_codec",
+        "_param_codec",
     )
 
     def __init__(
@@ -153,6 +155,11 @@ class Bucket:
         """Its params that do not require grad now, when it has a grad buffer and views."""
         self.flags: SharedFlags | None = None
         """Its params' agreed presence flags in this iteration, once shared (``GradPresence``)."""
+        self._grad_codec = _grad_codec(comm.grad_compression, plan)
+        """How its grads travel when compressed (Note [Compressed wire] in ``compression``)."""
+        self._param_codec = None
+        if comm.param_compression is not None:
+            self._param_codec = compression.make_codec(comm.param_compression, plan.shard_numel)
 
     # -- buffers -------------------------------------------------------------------------------
 
@@ -291,14 +298,22 @@ class Bucket:
             if comm.sharded:
                 if comm.receives is not None:
                     comm.receives.admit(grad_buffer.nbytes)
-                if grad_buffer.dtype == reduced.dtype or comm.widens_on_receipt:
+                codec = self._grad_codec
+                if codec is not None:
+                    work = compression.reduce_scatter_compressed(
+                        reduced, grad_buffer, codec, comm.group, comm.point_to_point
+                    )
+                    comm.wire.grads += compression.payload_bytes(codec, comm.world_size)
+                elif grad_buffer.dtype == reduced.dtype or comm.widens_on_receipt:
                     work = collectives.reduce_scatter_avg(
                         reduced, grad_buffer, comm.group, async_op=True, point_to_point=comm.point_to_point
                     )
+                    comm.wire.grads += _sent_by_each(grad_buffer, comm.world_size)
                 else:
                     work = self._reduce_scatter_cast(reduced, grad_buffer)
                 if comm.replicate_group is not None:
                     work = comm.replica_chain.all_reduce_after(work, reduced, comm.replicate_group)
+                    comm.wire.replicas += 2 * _sent_by_each(reduced, comm.replicate_group.size())
                 if comm.receives is not None:
                     comm.receives.track(work, grad_buffer.nbytes)
             else:
@@ -308,6 +323,7 @@ class Bucket:
                 # counter when it completes, which would read as a user's write to the grads (Note
                 # [Grads written after backward] in ``grad_hooks``); this write is the wrapper's.
                 work = collectives.all_reduce_avg(reduced.data, comm.group, async_op=True)
+                comm.wire.grads += 2 * _sent_by_each(reduced, comm.world_size)
         self._grad_work = work
 
     def _reduce_scatter_cast(self, reduced: Tensor, grad_buffer: Tensor) -> Work | Future | None:
@@ -319,6 +335,7 @@ class Bucket:
             reduced, staging, comm.group, async_op=True, point_to_point=comm.point_to_point
         )
         comm.staging.read_by(slot, work)
+        comm.wire.grads += _sent_by_each(staging, comm.world_size)
         return work
 
     @property
@@ -343,13 +360,33 @@ class Bucket:
         self._param_event = None
         self._param_waited = []
         comm = self._comm
+        shard = self._live_shard()
+        if self._param_codec is not None:
+            self._param_work = self._start_delta_sync(shard)
+            return
         self._param_work = collectives.all_gather(
-            self.param_buffer,
-            self._live_shard().param_view,
-            comm.group,
-            async_op=True,
-            point_to_point=comm.point_to_point,
+            self.param_buffer, shard.param_view, comm.group, async_op=True, point_to_point=comm.point_to_point
         )
+        comm.wire.params += (comm.world_size - 1) * shard.param_view.nbytes
+
+    @property
+    def publishes_deltas(self) -> bool:
+        """Its updated params are shared as compressed deltas (Note [Compressed wire])."""
+        return self._param_codec is not None
+
+    @torch.no_grad()
+    def _start_delta_sync(self, shard: LocalShard) -> Work | Future:
+        """Encode ``master - replica`` of the local shard, add it to this rank's own replica and
+        share it; every peer adds it to its replica too (Note [Compressed wire] in ``compression``)."""
+        comm, codec = self._comm, self._param_codec
+        assert codec is not None and shard.master is not None and shard.published is not None
+        sent = torch.empty(comm.world_size, codec.row_numel, dtype=codec.wire_dtype)
+        own = sent[comm.rank]
+        codec.encode(shard.master - shard.param_view.float(), own)
+        compression.apply_delta(shard.param_view.data, own, codec)
+        shard.published.copy_(shard.param_view)
+        comm.wire.params += compression.payload_bytes(codec, comm.world_size)
+        return compression.all_gather_deltas(self.param_buffer, sent, codec, comm.group, comm.point_to_point)
 
     @property
     def param_sync_pending(self) -> bool:
@@ -404,10 +441,41 @@ def start_param_syncs(buckets: list[Bucket], comm: CommContext) -> None:
     """Cast master shards back into the param buffer and all-gather the updated shards of
     ``buckets`` (those the step changed, in the order given), behind the last optimizer op."""
     for bucket in buckets:
-        bucket._live_shard().write_back()
+        if not bucket.publishes_deltas:  # its delta is taken from the master as it is sent
+            bucket._live_shard().write_back()
     if not comm.sharded:
         return
     wait_compute(comm.stream)
     with on_stream(comm.stream):
         for bucket in buckets:
             bucket.start_param_sync()
+
+
+@torch.no_grad()
+def republish_exactly(buckets: list[Bucket], comm: CommContext) -> None:
+    """Rebuild every rank's params exactly from the owners' masters, with uncompressed
+    all-gathers (collective): after a checkpoint's masters were loaded, when params are shared
+    as compressed deltas (Note [Compressed wire] in ``compression``)."""
+    for bucket in buckets:
+        shard = bucket.shard
+        if shard is None or not bucket.publishes_deltas:
+            continue
+        shard.write_back()
+        assert shard.published is not None
+        shard.published.copy_(shard.param_view)
+        collectives.all_gather(bucket.param_buffer, shard.param_view, comm.group, async_op=False)
+
+
+def _grad_codec(grad_compression: str | None, plan: BucketPlan) -> compression.Codec | None:
+    """The codec its grads travel in, or None for the exact path: also for ``"bf16"`` when
+    its grads are 16-bit already, which the exact path sends as they are (Note [Compressed
+    wire] in ``compression``)."""
+    if grad_compression is None or (grad_compression == "bf16" and plan.dtype.itemsize <= 2):
+        return None
+    return compression.make_codec(grad_compression, plan.shard_numel)
+
+
+def _sent_by_each(bucket_tensor: Tensor, world_size: int) -> int:
+    """Bytes one rank sends in a reduce-scatter or all-gather of ``bucket_tensor`` (or half a ring
+    all-reduce of it): (N-1)/N of it."""
+    return bucket_tensor.nbytes * (world_size - 1) // world_size

@@ -29,7 +29,10 @@ Note [Master copies]
     param value differs from its rounded master is re-read from the param. The check is by value
     and per element: it catches writes through ``.data`` that no version counter sees, and it
     touches no other element. No master is kept when ``master_dtype`` is not wider than the
-    params (an fp64 param is never rounded to fp32).
+    params (an fp64 param is never rounded to fp32), unless updated params are shared as
+    compressed deltas: the params then trail the master by the last delta's rounding error, so an
+    element counts as written where the param differs from the copy of the params as this rank
+    last wrote them (``LocalShard.published``, Note [Compressed wire] in ``compression``).
 """
 
 from __future__ import annotations
@@ -53,14 +56,20 @@ class BucketPrecision:
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     master_dtype: torch.dtype
+    delta_params: bool = False
+    """Updated params are shared as compressed deltas against the replicas, which needs an
+    exact master even in the params' own dtype (Note [Compressed wire] in ``compression``)."""
 
     @property
     def has_master(self) -> bool:
-        return self.master_dtype != self.param_dtype
+        return self.master_dtype != self.param_dtype or self.delta_params
 
 
 def resolve_precision(
-    param_dtype: torch.dtype, reduce_dtype: torch.dtype | None, master_dtype: torch.dtype | None
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype | None,
+    master_dtype: torch.dtype | None,
+    delta_params: bool = False,
 ) -> BucketPrecision:
     """``None`` means: reduce 16-bit grads in fp32 and others in their own dtype; no master copy.
     A master dtype that is not wider than the params' dtype is no master, see Note [Master copies].
@@ -72,7 +81,7 @@ def resolve_precision(
         reduce_dtype = torch.float32 if param_dtype.itemsize < 4 else param_dtype
     if master_dtype is None or master_dtype.itemsize <= param_dtype.itemsize:
         master_dtype = param_dtype
-    return BucketPrecision(param_dtype, reduce_dtype, master_dtype)
+    return BucketPrecision(param_dtype, reduce_dtype, master_dtype, delta_params)
 
 
 @dataclass(eq=False, slots=True)
@@ -91,6 +100,8 @@ class LocalShard:
         inner_params: leaf views of ``stepped``, one per piece (or per chunk of one on CPU);
             ``inner_grads[i]`` is the grad view the optimizer reads for ``inner_params[i]``.
         inner_owners: the param index of each inner param.
+        published: with compressed param deltas, ``param_view`` as this rank last wrote it
+            (Note [Compressed wire] in ``compression``); None otherwise.
     """
 
     bucket: BucketPlan
@@ -102,6 +113,7 @@ class LocalShard:
     inner_params: list[Tensor]
     inner_grads: list[Tensor]
     inner_owners: list[int]
+    published: Tensor | None = None
 
     @property
     def master(self) -> Tensor | None:
@@ -114,7 +126,10 @@ class LocalShard:
         master = self.master
         if master is None:
             return
-        stale = master.to(self.param_view.dtype) != self.param_view
+        if self.published is not None:  # the replica trails the master: compare with what was written
+            stale = self.published != self.param_view
+        else:
+            stale = master.to(self.param_view.dtype) != self.param_view
         if master.device.type == "cpu" and not stale.any():  # on an accelerator .any() would sync
             return
         master.copy_(torch.where(stale, self.param_view.to(master.dtype), master))
@@ -154,7 +169,8 @@ def build_local_shard(
     else:
         stepped = param_view.detach()
     stepped_grad = reduced_grad if reduced_grad.dtype == stepped.dtype else torch.zeros_like(stepped)
-    shard = LocalShard(bucket, param_view, reduced_grad, stepped, stepped_grad, pieces, [], [], [])
+    published = param_view.detach().clone() if precision.delta_params else None
+    shard = LocalShard(bucket, param_view, reduced_grad, stepped, stepped_grad, pieces, [], [], [], published)
     if bucket.whole_params:
         _add_whole_params(shard)
         return shard

@@ -95,6 +95,7 @@ class OptimizerShards:
             "grads": nbytes(g for g in self.buffers.grad_buffers if g is not None),
             "reduced_grads": nbytes(t for bucket in self.buckets for t in bucket.reduced_grad_tensors()),
             "master": nbytes(s.master for s in self.live_shards() if s.master is not None),
+            "published": nbytes(s.published for s in self.live_shards() if s.published is not None),
             "optimizer_state": self.optimizer_state_bytes(),
             "staging": self.comm.staging.nbytes,
         }

@@ -1,0 +1,234 @@
+"""Fewer bytes on the wire: grads and param deltas sent as bf16 or block-wise int8 codes.
+
+Note [Compressed wire]
+    ZeRO-1 sends DDP's bytes: a reduce-scatter of the grads and an all-gather of the params,
+    each (N-1)/N of the model per rank. ``ShardingConfig.grad_compression`` and
+    ``param_compression`` send fewer, and keep what the exact path promises: every rank ends
+    every step with bitwise the same params, and a result that does not depend on timing (sync
+    and overlap agree bitwise with each other).
+
+    Grads (``"bf16"`` or ``"int8"``): rank r encodes slice p of its grad bucket for each peer p
+    and sends it in one exchange (gloo's all-to-all, or point-to-point pairs with
+    ``gloo_point_to_point``): each element is quantized once, by its sender, never re-quantized
+    on a ring's hops. The owner decodes the N-1 received slices to fp32, adds its own slice
+    exactly (it never leaves the rank, so it is not quantized), sums the N in rank order and
+    divides by N: the same inputs give the same bits, on every run. int8 codes are block-wise:
+    ``INT8_BLOCK_NUMEL`` consecutive elements share one fp32 scale, their absolute maximum / 127,
+    and each element is rounded to the nearest multiple of it (ties to even); blocks count from
+    the start of each slice. A block of zeros has scale 0 and codes 0. A block holding an inf or
+    a nan decodes to non-finite values only (scale inf or nan), so ``ShardedGradScaler`` and
+    ``clip_grad_norm_`` still see it in the averaged grads and every rank skips the step.
+    ``"bf16"`` rounds each element to bf16 (to nearest even). bf16 params' grads are bf16
+    already: they go out as they are, exact (Note [Widening on receipt] in ``collectives``).
+
+    No error feedback: the rounding errors of one step are not carried into the next. The
+    error of an int8 code is at most half a step of its block's scale, fresh grads arrive each
+    step and Adam divides by their running magnitude, and a feedback buffer would cost a full
+    fp32 copy of the grads on every rank (4 bytes per param, more than ZeRO-1 saves on two
+    ranks). ``benchmarks/convergence.py`` measures the held-out loss with and without
+    compression (``docs/compression.md``).
+
+    Params (``"int8"``): the owner of a shard keeps an exact master of it, which the optimizer
+    steps. After the step it sends ``int8(master - replica)``, the delta against the params
+    every rank holds (the replica), and every rank, the owner included, adds the same decoded
+    delta to its replica in the same arithmetic: ``(replica.float() + decoded).to(dtype)``. So
+    all replicas stay bitwise equal, and each trails the master by at most one step's rounding
+    error, which the next delta carries. The owner also keeps a copy of the replica as it last
+    published it, to tell a user's write to a param (``model.load_state_dict``, ``clamp_``)
+    from its own: before each step, an element whose param differs from that copy is re-read
+    into the master (Note [Master copies] in ``local_shard``), or the next delta would undo the
+    write. Deltas cannot repair ranks that hold different params: every rank starts from the
+    first rank's params (the broadcast at construction) and must write the same values to
+    them. A checkpoint saves the exact master; a load rebuilds every replica exactly from it
+    with one uncompressed all-gather.
+
+    Supported: sharded data parallel on CPU gloo, sync and overlap, with or without a model
+    attached, with clipping, ``ShardedGradScaler``, whole-param owners (Muon, Adafactor),
+    gradient accumulation and checkpoints. Refused by name at construction: hybrid sharding,
+    ``enable=False``, and accelerator tensors (NCCL), none of which has been run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup, Work
+from torch.futures import Future
+
+from sharded_opt.comm.collectives import all_gather, exchange, run_after
+
+INT8_BLOCK_NUMEL = 256
+"""Elements that share one int8 scale. Small enough that a block's scale follows the local
+magnitude of a layer's values (one large grad costs precision to its 255 neighbours only), large
+enough that the fp32 scales add 1.6 % to the int8 codes' bytes (Note [Compressed wire])."""
+
+DECODE_CHUNK_NUMEL = 64 * INT8_BLOCK_NUMEL
+"""Elements decoded per pass when summing or applying: a chunk's N fp32 rows stay small."""
+
+
+class Codec(Protocol):
+    """How one slice of ``numel`` elements travels: a row of ``row_numel`` elements of
+    ``wire_dtype``."""
+
+    numel: int
+    row_numel: int
+    wire_dtype: torch.dtype
+
+    def encode(self, values: Tensor, row: Tensor) -> None: ...
+
+    def decode(self, row: Tensor, start: int, end: int) -> Tensor: ...
+
+
+class Bf16Codec:
+    """A slice as bf16 values (round to nearest even)."""
+
+    wire_dtype = torch.bfloat16
+
+    def __init__(self, numel: int) -> None:
+        self.numel = self.row_numel = numel
+
+    def encode(self, values: Tensor, row: Tensor) -> None:
+        row.copy_(values)
+
+    def decode(self, row: Tensor, start: int, end: int) -> Tensor:
+        return row[start:end].float()
+
+
+class Int8BlockCodec:
+    """A slice as int8 codes, ``INT8_BLOCK_NUMEL`` to a block with one fp32 scale each, packed in
+    one byte row: the scales first (4-byte aligned), then the codes."""
+
+    wire_dtype = torch.uint8
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.blocks = math.ceil(numel / INT8_BLOCK_NUMEL)
+        self._codes_at = 4 * self.blocks
+        self.row_numel = self._codes_at + 4 * math.ceil(numel / 4)
+
+    def _parts(self, row: Tensor) -> tuple[Tensor, Tensor]:
+        scales = row[: self._codes_at].view(torch.float32)
+        return scales, row[self._codes_at : self._codes_at + self.numel].view(torch.int8)
+
+    @torch.no_grad()
+    def encode(self, values: Tensor, row: Tensor) -> None:
+        scales, codes = self._parts(row)
+        for start in range(0, self.numel, DECODE_CHUNK_NUMEL):
+            end = min(start + DECODE_CHUNK_NUMEL, self.numel)
+            first = start // INT8_BLOCK_NUMEL
+            chunk = values[start:end].float()
+            full = (end - start) // INT8_BLOCK_NUMEL * INT8_BLOCK_NUMEL
+            if full:
+                _quantize_blocks(
+                    chunk[:full].view(-1, INT8_BLOCK_NUMEL),
+                    scales[first : first + full // INT8_BLOCK_NUMEL],
+                    codes[start : start + full].view(-1, INT8_BLOCK_NUMEL),
+                )
+            if full < end - start:  # the slice's last, partial block
+                _quantize_blocks(chunk[full:].view(1, -1), scales[-1:], codes[start + full : end].view(1, -1))
+
+    def decode(self, row: Tensor, start: int, end: int) -> Tensor:
+        """fp32 values of elements ``[start, end)``; ``start`` is a multiple of the block size."""
+        scales, codes = self._parts(row)
+        first = start // INT8_BLOCK_NUMEL
+        out = codes[start:end].to(torch.float32)
+        full = (end - start) // INT8_BLOCK_NUMEL * INT8_BLOCK_NUMEL
+        if full:
+            out[:full].view(-1, INT8_BLOCK_NUMEL).mul_(scales[first : first + full // INT8_BLOCK_NUMEL, None])
+        if full < end - start:
+            out[full:].mul_(scales[first + full // INT8_BLOCK_NUMEL])
+        return out
+
+
+def _quantize_blocks(values: Tensor, scales: Tensor, codes: Tensor) -> None:
+    """Each row of ``values`` as codes of ``scales``' entry: absmax / 127, rounded to nearest even."""
+    absmax = torch.linalg.vector_norm(values, ord=math.inf, dim=1)
+    torch.div(absmax, 127.0, out=scales)
+    inverse = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+    scaled = values * inverse[:, None]
+    codes.copy_(scaled.round_().clamp_(-127.0, 127.0))
+
+
+def make_codec(compression: str, numel: int) -> Codec:
+    """The codec of a ``grad_compression``/``param_compression`` value for slices of ``numel``."""
+    if compression == "bf16":
+        return Bf16Codec(numel)
+    if compression == "int8":
+        return Int8BlockCodec(numel)
+    raise ValueError(f"make_codec: unknown compression {compression!r}")
+
+
+def reduce_scatter_compressed(
+    output: Tensor, input: Tensor, codec: Codec, group: ProcessGroup, point_to_point: bool
+) -> Future:
+    """Average ``input`` over the group into ``output`` (this rank's slice, fp32) with every peer's
+    slice sent as ``codec`` codes; see Note [Compressed wire]. Returns a future fulfilled once
+    ``output`` is final. ``input`` may be reused once this returns: what is sent is encoded
+    and this rank's own slice copied before it does."""
+    world_size, rank = group.size(), group.rank()
+    slices = input.view(world_size, -1)
+    sent = torch.empty(world_size, codec.row_numel, dtype=codec.wire_dtype, device=input.device)
+    for peer in range(world_size):
+        if peer != rank:
+            codec.encode(slices[peer], sent[peer])
+    own = slices[rank].to(torch.float32, copy=True)
+    received = torch.empty_like(sent)
+    if point_to_point:
+        works = exchange(list(sent.unbind()), list(received.unbind()), group)
+    else:
+        works = dist.all_to_all_single(received, sent, group=group, async_op=True)
+
+    def average() -> None:
+        _sum_decoded(output, received, own, codec, rank)
+
+    return run_after(works, average, "sharded_opt: sum of the compressed slices")
+
+
+@torch.no_grad()
+def _sum_decoded(output: Tensor, received: Tensor, own: Tensor, codec: Codec, rank: int) -> None:
+    world_size = received.shape[0]
+    rows = torch.empty(world_size, min(DECODE_CHUNK_NUMEL, codec.numel), dtype=torch.float32)
+    for start in range(0, codec.numel, DECODE_CHUNK_NUMEL):
+        end = min(start + DECODE_CHUNK_NUMEL, codec.numel)
+        chunk = rows[:, : end - start]
+        for peer in range(world_size):
+            chunk[peer] = own[start:end] if peer == rank else codec.decode(received[peer], start, end)
+        torch.sum(chunk, dim=0, out=output[start:end])
+    output.div_(world_size)
+
+
+@torch.no_grad()
+def apply_delta(replica: Tensor, row: Tensor, codec: Codec) -> None:
+    """``replica += decoded delta`` in fp32, rounded to the replica's dtype; every rank runs this
+    with the same row on the same replica, so all get the same bits."""
+    for start in range(0, codec.numel, DECODE_CHUNK_NUMEL):
+        end = min(start + DECODE_CHUNK_NUMEL, codec.numel)
+        part = replica[start:end]
+        part.copy_(part.float().add_(codec.decode(row, start, end)))
+
+
+def all_gather_deltas(
+    replicas: Tensor, sent: Tensor, codec: Codec, group: ProcessGroup, point_to_point: bool
+) -> Work | Future:
+    """Share this rank's encoded delta (row ``rank`` of ``sent``, already applied to its own
+    slice) and add every peer's to its slice of ``replicas`` (the bucket's param buffer);
+    returns a future fulfilled once every slice is updated. See Note [Compressed wire]."""
+    world_size, rank = group.size(), group.rank()
+    slices = replicas.view(world_size, -1)
+    work = all_gather(sent.view(-1), sent[rank], group, async_op=True, point_to_point=point_to_point)
+
+    def apply() -> None:
+        for peer in range(world_size):
+            if peer != rank:
+                apply_delta(slices[peer].data, sent[peer], codec)
+
+    return run_after(work, apply, "sharded_opt: add the param deltas")
+
+
+def payload_bytes(codec: Codec, world_size: int) -> int:
+    """Bytes one rank sends for one compressed collective of a bucket: a row to each peer."""
+    return (world_size - 1) * codec.row_numel * codec.wire_dtype.itemsize
