@@ -103,7 +103,6 @@ def plan_buckets(
         config.grad_compression,
         config.param_compression,
         sharded=config.enable,
-        hybrid=groups.replicate is not None,
         specs=specs,
     )
     sharded = config.enable and groups.shard_size > 1

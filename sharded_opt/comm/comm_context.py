@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup, Work
 from torch.futures import Future
 
-from sharded_opt.comm import collectives
+from sharded_opt.comm import collectives, compression
 from sharded_opt.comm.hybrid_groups import ShardGroups
 from sharded_opt.comm.streams import new_comm_stream, wait_comm
 
@@ -202,10 +202,15 @@ class ReplicaChain:
         self._last_issued: Future | None = None
 
     def all_reduce_after(
-        self, reduce_scatter: Work | Future | None, shard: Tensor, group: ProcessGroup
+        self,
+        reduce_scatter: Work | Future | None,
+        shard: Tensor,
+        group: ProcessGroup,
+        codec: compression.Codec | None = None,
     ) -> Work | _IssuedWork | None:
-        """Average ``shard`` over ``group`` once ``reduce_scatter`` (which writes it) is done;
-        returns a handle whose ``wait()`` makes ``shard`` final."""
+        """Average ``shard`` over ``group`` once ``reduce_scatter`` (which writes it) is done,
+        sent as ``codec`` codes if given (Note [Compressed wire] in ``compression``); returns a
+        handle whose ``wait()`` makes ``shard`` final."""
         if shard.device.type != "cpu":
             wait_comm([reduce_scatter])
             return collectives.all_reduce_avg(shard, group, async_op=True)
@@ -215,9 +220,11 @@ class ReplicaChain:
 
         done = torch.futures.collect_all(before)
 
-        def issue() -> Work | None:
+        def issue() -> Work | Future | None:
             for future in done.value():
                 future.value()  # raises what a failed reduce-scatter (or earlier issue) raised
+            if codec is not None:
+                return compression.average_compressed(shard, codec, group)
             return collectives.all_reduce_avg(shard, group, async_op=True)
 
         issued = collectives.run_after(done, issue, "sharded_opt: issue the replica all-reduce")

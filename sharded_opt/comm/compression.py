@@ -44,13 +44,17 @@ Note [Compressed wire]
 
     Supported: sharded data parallel on CPU gloo, sync and overlap, with or without a model
     attached, with clipping, ``ShardedGradScaler``, whole-param owners (Muon, Adafactor),
-    gradient accumulation and checkpoints. Refused by name at construction: hybrid sharding,
-    ``enable=False``, and accelerator tensors (NCCL), none of which has been run.
+    gradient accumulation, checkpoints and hybrid sharding, where each shard's average across
+    the replicate group is compressed too: every replica all-gathers the others' codes of its
+    reduced shard, decodes all of them, its own included, and sums them in replica order, so
+    the replicas agree bitwise (:func:`average_compressed`). Refused by name at construction:
+    ``enable=False`` and accelerator tensors (NCCL), neither of which has been run.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -182,21 +186,26 @@ def reduce_scatter_compressed(
     else:
         works = dist.all_to_all_single(received, sent, group=group, async_op=True)
 
+    def part(peer: int, start: int, end: int) -> Tensor:
+        return own[start:end] if peer == rank else codec.decode(received[peer], start, end)
+
     def average() -> None:
-        _sum_decoded(output, received, own, codec, rank)
+        _average_parts(output, world_size, part)
 
     return run_after(works, average, "sharded_opt: sum of the compressed slices")
 
 
 @torch.no_grad()
-def _sum_decoded(output: Tensor, received: Tensor, own: Tensor, codec: Codec, rank: int) -> None:
-    world_size = received.shape[0]
-    rows = torch.empty(world_size, min(DECODE_CHUNK_NUMEL, codec.numel), dtype=torch.float32)
-    for start in range(0, codec.numel, DECODE_CHUNK_NUMEL):
-        end = min(start + DECODE_CHUNK_NUMEL, codec.numel)
+def _average_parts(output: Tensor, world_size: int, part: Callable[[int, int, int], Tensor]) -> None:
+    """``output`` = the mean of ``part(peer, ...)`` over the peers, summed in fp32 in rank order,
+    a chunk of columns at a time."""
+    numel = output.numel()
+    rows = torch.empty(world_size, min(DECODE_CHUNK_NUMEL, numel), dtype=torch.float32)
+    for start in range(0, numel, DECODE_CHUNK_NUMEL):
+        end = min(start + DECODE_CHUNK_NUMEL, numel)
         chunk = rows[:, : end - start]
         for peer in range(world_size):
-            chunk[peer] = own[start:end] if peer == rank else codec.decode(received[peer], start, end)
+            chunk[peer] = part(peer, start, end)
         torch.sum(chunk, dim=0, out=output[start:end])
     output.div_(world_size)
 
@@ -227,6 +236,22 @@ def all_gather_deltas(
                 apply_delta(slices[peer].data, sent[peer], codec)
 
     return run_after(work, apply, "sharded_opt: add the param deltas")
+
+
+def average_compressed(tensor: Tensor, codec: Codec, group: ProcessGroup) -> Future:
+    """Average ``tensor`` (fp32) in place over ``group`` with every rank's value sent as
+    ``codec`` codes to every other (an all-gather of the codes): each rank decodes all rows, its
+    own included, and sums them in rank order, so every rank ends with the same bits. The
+    cross-group average of hybrid sharding (Note [Compressed wire])."""
+    world_size, rank = group.size(), group.rank()
+    sent = torch.empty(world_size, codec.row_numel, dtype=codec.wire_dtype, device=tensor.device)
+    codec.encode(tensor, sent[rank])
+    work = all_gather(sent.view(-1), sent[rank], group, async_op=True)
+
+    def average() -> None:
+        _average_parts(tensor, world_size, lambda peer, start, end: codec.decode(sent[peer], start, end))
+
+    return run_after(work, average, "sharded_opt: average of the compressed replicas")
 
 
 def payload_bytes(codec: Codec, world_size: int) -> int:

@@ -280,7 +280,6 @@ def check_compression(
     param_compression: str | None,
     *,
     sharded: bool,
-    hybrid: bool,
     specs: list[ParamSpec],
 ) -> None:
     """Refuse a ``grad_compression``/``param_compression`` setting the compressed collectives do
@@ -303,11 +302,6 @@ def check_compression(
         raise ValueError(
             f"ShardingStage1 got {setting} with enable=False: compression replaces the sharded "
             f"reduce-scatter and all-gather, which plain data parallel does not run. Set enable=True, {off}"
-        )
-    if hybrid:
-        raise ValueError(
-            f"ShardingStage1 got {setting} with hybrid sharding (degree or device_mesh): compressed "
-            f"replica all-reduces are not supported. Shard over every rank (degree=None), {off}"
         )
     devices = sorted({spec.device.type for spec in specs} - {"cpu"})
     if devices:

@@ -312,8 +312,7 @@ class Bucket:
                 else:
                     work = self._reduce_scatter_cast(reduced, grad_buffer)
                 if comm.replicate_group is not None:
-                    work = comm.replica_chain.all_reduce_after(work, reduced, comm.replicate_group)
-                    comm.wire.replicas += 2 * _sent_by_each(reduced, comm.replicate_group.size())
+                    work = self._average_replicas_after(work, reduced)
                 if comm.receives is not None:
                     comm.receives.track(work, grad_buffer.nbytes)
             else:
@@ -325,6 +324,20 @@ class Bucket:
                 work = collectives.all_reduce_avg(reduced.data, comm.group, async_op=True)
                 comm.wire.grads += 2 * _sent_by_each(reduced, comm.world_size)
         self._grad_work = work
+
+    def _average_replicas_after(self, work: Work | Future | None, reduced: Tensor) -> Work | Future | None:
+        """Average the reduced shard over the replicate group once ``work`` wrote it (Note
+        [Hybrid sharding] in ``hybrid_groups``), compressed as its grads are."""
+        comm = self._comm
+        group = comm.replicate_group
+        assert group is not None
+        codec = None
+        if comm.grad_compression is not None:
+            codec = compression.make_codec(comm.grad_compression, reduced.numel())
+            comm.wire.replicas += compression.payload_bytes(codec, group.size())
+        else:
+            comm.wire.replicas += 2 * _sent_by_each(reduced, group.size())
+        return comm.replica_chain.all_reduce_after(work, reduced, group, codec)
 
     def _reduce_scatter_cast(self, reduced: Tensor, grad_buffer: Tensor) -> Work | Future | None:
         """Cast the grads into a staging buffer and reduce-scatter that; on the comm stream."""
