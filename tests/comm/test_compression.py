@@ -347,7 +347,8 @@ def test_compressed_training_stays_close_to_exact(two_ranks) -> None:
         got = runs[TWO_RANK_RUNS.index(Run(setting))]["params"]
         for index, (a, b, start) in enumerate(zip(got, exact["params"], exact["initial"], strict=True)):
             off, moved = (a - b).abs().mean(), (b - start).abs().mean()
-            assert off < 0.1 * moved, f"{setting}, param {index}: off by {off:.3g} on average, moved {moved:.3g}"
+            where = f"{setting}, param {index}: off by {off:.3g} on average, moved {moved:.3g}"
+            assert off < 0.1 * moved, where
 
 
 def test_bytes_on_the_wire(two_ranks) -> None:
@@ -415,7 +416,7 @@ def _user_writes_reach_the_master() -> dict[str, bool]:
     opt.step()
     result = {
         "masters_kept": masters_kept,
-        "caught_up": 0 < behind and after < behind / 50,
+        "caught_up": behind > 0 and after < behind / 50,
         "write_kept": torch.equal(model.fc1.weight.detach(), written),
     }
     opt.close()
