@@ -42,8 +42,6 @@ import argparse
 import contextlib
 import dataclasses
 import multiprocessing
-import os
-import platform
 import signal
 import sys
 import threading
@@ -375,18 +373,6 @@ def _compiled_label(config: RunConfig) -> str:
     return f", forward compiled ({config.compile_backend})" if config.compile_backend else ""
 
 
-def _environment() -> dict[str, object]:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-        "machine": platform.machine(),
-        "accelerator": str(torch.accelerator.current_accelerator())
-        if torch.accelerator.is_available()
-        else None,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     plan = parse_args(argv)
     plan.out.mkdir(parents=True, exist_ok=True)
@@ -453,7 +439,7 @@ def _finish(plan: Plan, runs: list[dict], emulated: bool, argv: list[str] | None
         "emulated_link": dataclasses.asdict(plan.link) if emulated and plan.link else None,
         "setting": dataclasses.asdict(plan.setting),
         "verdict": lines,
-        "environment": _environment(),
+        "environment": report.environment(),
         "runs": runs,
         "targets": [check.as_dict() for check in checks],
     }

@@ -172,9 +172,19 @@ def build_model(name: str, seed: int) -> nn.Module:
     """
     if name not in MODEL_NAMES:
         raise ValueError(f"build_model expects one of {', '.join(MODEL_NAMES)} but got {name!r}")
+    if name != "mlp":
+        return build_gpt(PRESETS[name], seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return MLP(MLPConfig()) if name == "mlp" else GPT(PRESETS[name])
+        return MLP(MLPConfig())
+
+
+def build_gpt(config: GPTConfig, seed: int) -> GPT:
+    """A GPT of any shape with weights from ``seed`` only, the caller's random state untouched
+    (as :func:`build_model`), for benchmarks that size their own model."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(config)
 
 
 def model_seq_len(name: str, requested: int | None) -> int:

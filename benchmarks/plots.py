@@ -120,3 +120,31 @@ def plot_timeline(events: list[dict], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def running_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the ``window - 1`` before it (fewer at the start)."""
+    sums = [0.0]
+    for value in values:
+        sums.append(sums[-1] + value)
+    return [(sums[i + 1] - sums[max(0, i + 1 - window)]) / min(i + 1, window) for i in range(len(values))]
+
+
+def plot_convergence(settings: dict[str, dict], path: Path) -> None:
+    """Training loss (a running mean: one step's batch is noisy) and held-out loss against the
+    step, one line per setting of ``benchmarks.convergence``."""
+    figure, (train_axes, heldout_axes) = plt.subplots(1, 2, figsize=(11, 4.2))
+    window = max(1, max(len(s["train_loss"]) for s in settings.values()) // 50)
+    for name, s in settings.items():
+        steps = range(1, len(s["train_loss"]) + 1)
+        train_axes.plot(steps, running_mean(s["train_loss"], window), label=name, linewidth=1)
+        heldout_axes.plot(s["heldout_steps"], s["heldout_loss"], marker="o", markersize=3, label=name)
+    train_axes.set_title(f"training loss (mean of the last {window} steps)", fontsize=9)
+    heldout_axes.set_title("held-out loss (last tenth of the text)", fontsize=9)
+    for axes in (train_axes, heldout_axes):
+        axes.set_xlabel("step")
+        axes.set_ylabel("cross-entropy, nats per byte")
+        axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

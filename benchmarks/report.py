@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from benchmarks.modes import COMM_ONLY, COMPUTE_ONLY, MODES, MUST_AGREE, PSEUDO_MODES
 from benchmarks.modes import label as mode_label
@@ -422,3 +426,16 @@ def sweep_table(runs: list[dict]) -> str:
 
 def write_json(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def environment() -> dict[str, object]:
+    """Where a result was measured, stored beside it."""
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "accelerator": str(torch.accelerator.current_accelerator())
+        if torch.accelerator.is_available()
+        else None,
+    }
