@@ -70,8 +70,14 @@ INT8_BLOCK_NUMEL = 256
 magnitude of a layer's values (one large grad costs precision to its 255 neighbours only), large
 enough that the fp32 scales add 1.6 % to the int8 codes' bytes (Note [Compressed wire])."""
 
-DECODE_CHUNK_NUMEL = 64 * INT8_BLOCK_NUMEL
-"""Elements decoded per pass when summing or applying: a chunk's N fp32 rows stay small."""
+CHUNK_NUMEL = 256 * INT8_BLOCK_NUMEL
+"""Elements encoded or decoded per pass: a chunk's temporaries (N fp32 rows when summing) stay
+small, and each pass's fixed cost is spread over enough elements."""
+
+SMALLEST_INVERTED = 1e-36
+"""Absolute maxima are clamped to at least this before 127 is divided by them, so the inverse
+stays finite (127 / 1e-36 < fp32's largest value): a block whose values are all smaller decodes
+with an error below this instead of overflowing."""
 
 
 class Codec(Protocol):
@@ -121,8 +127,8 @@ class Int8BlockCodec:
     @torch.no_grad()
     def encode(self, values: Tensor, row: Tensor) -> None:
         scales, codes = self._parts(row)
-        for start in range(0, self.numel, DECODE_CHUNK_NUMEL):
-            end = min(start + DECODE_CHUNK_NUMEL, self.numel)
+        for start in range(0, self.numel, CHUNK_NUMEL):
+            end = min(start + CHUNK_NUMEL, self.numel)
             first = start // INT8_BLOCK_NUMEL
             chunk = values[start:end].float()
             full = (end - start) // INT8_BLOCK_NUMEL * INT8_BLOCK_NUMEL
@@ -149,12 +155,16 @@ class Int8BlockCodec:
 
 
 def _quantize_blocks(values: Tensor, scales: Tensor, codes: Tensor) -> None:
-    """Each row of ``values`` as codes of ``scales``' entry: absmax / 127, rounded to nearest even."""
-    absmax = torch.linalg.vector_norm(values, ord=math.inf, dim=1)
+    """Each row of ``values`` as codes of ``scales``' entry: absmax / 127, rounded to nearest even.
+
+    Codes stay within [-127, 127] without a clamp: the largest magnitude maps to 127 up to a
+    rounding of the product. In a row holding an inf or a nan the codes are whatever the cast
+    makes of non-finite products: the row's scale is non-finite, so it decodes to inf or nan
+    alone, whatever its codes (every decoder reads the same codes)."""
+    absmax = values.abs().amax(dim=1)
     torch.div(absmax, 127.0, out=scales)
-    inverse = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
-    scaled = values * inverse[:, None]
-    codes.copy_(scaled.round_().clamp_(-127.0, 127.0))
+    inverse = absmax.clamp_min_(SMALLEST_INVERTED).reciprocal_().mul_(127.0)
+    codes.copy_(values.mul(inverse[:, None]).round_())
 
 
 def make_codec(compression: str, numel: int) -> Codec:
@@ -200,9 +210,9 @@ def _average_parts(output: Tensor, world_size: int, part: Callable[[int, int, in
     """``output`` = the mean of ``part(peer, ...)`` over the peers, summed in fp32 in rank order,
     a chunk of columns at a time."""
     numel = output.numel()
-    rows = torch.empty(world_size, min(DECODE_CHUNK_NUMEL, numel), dtype=torch.float32)
-    for start in range(0, numel, DECODE_CHUNK_NUMEL):
-        end = min(start + DECODE_CHUNK_NUMEL, numel)
+    rows = torch.empty(world_size, min(CHUNK_NUMEL, numel), dtype=torch.float32)
+    for start in range(0, numel, CHUNK_NUMEL):
+        end = min(start + CHUNK_NUMEL, numel)
         chunk = rows[:, : end - start]
         for peer in range(world_size):
             chunk[peer] = part(peer, start, end)
@@ -214,8 +224,8 @@ def _average_parts(output: Tensor, world_size: int, part: Callable[[int, int, in
 def apply_delta(replica: Tensor, row: Tensor, codec: Codec) -> None:
     """``replica += decoded delta`` in fp32, rounded to the replica's dtype; every rank runs this
     with the same row on the same replica, so all get the same bits."""
-    for start in range(0, codec.numel, DECODE_CHUNK_NUMEL):
-        end = min(start + DECODE_CHUNK_NUMEL, codec.numel)
+    for start in range(0, codec.numel, CHUNK_NUMEL):
+        end = min(start + CHUNK_NUMEL, codec.numel)
         part = replica[start:end]
         part.copy_(part.float().add_(codec.decode(row, start, end)))
 
