@@ -88,9 +88,18 @@ class Codec(Protocol):
     row_numel: int
     wire_dtype: torch.dtype
 
-    def encode(self, values: Tensor, row: Tensor) -> None: ...
+    def encode(self, values: Tensor, row: Tensor) -> None:
+        """Write the codes of ``values`` (the whole slice) into ``row``."""
+        ...
 
-    def decode(self, row: Tensor, start: int, end: int) -> Tensor: ...
+    def encode_range(self, values: Tensor, row: Tensor, start: int, end: int) -> None:
+        """Write the codes of elements ``[start, end)`` of the slice, given as ``values``
+        (``start`` a multiple of the block size), into ``row``."""
+        ...
+
+    def decode(self, row: Tensor, start: int, end: int) -> Tensor:
+        """fp32 values of elements ``[start, end)`` (``start`` a multiple of the block size)."""
+        ...
 
 
 class Bf16Codec:
@@ -103,6 +112,9 @@ class Bf16Codec:
 
     def encode(self, values: Tensor, row: Tensor) -> None:
         row.copy_(values)
+
+    def encode_range(self, values: Tensor, row: Tensor, start: int, end: int) -> None:
+        row[start:end].copy_(values)
 
     def decode(self, row: Tensor, start: int, end: int) -> Tensor:
         return row[start:end].float()
@@ -126,23 +138,26 @@ class Int8BlockCodec:
 
     @torch.no_grad()
     def encode(self, values: Tensor, row: Tensor) -> None:
-        scales, codes = self._parts(row)
         for start in range(0, self.numel, CHUNK_NUMEL):
             end = min(start + CHUNK_NUMEL, self.numel)
-            first = start // INT8_BLOCK_NUMEL
-            chunk = values[start:end].float()
-            full = (end - start) // INT8_BLOCK_NUMEL * INT8_BLOCK_NUMEL
-            if full:
-                _quantize_blocks(
-                    chunk[:full].view(-1, INT8_BLOCK_NUMEL),
-                    scales[first : first + full // INT8_BLOCK_NUMEL],
-                    codes[start : start + full].view(-1, INT8_BLOCK_NUMEL),
-                )
-            if full < end - start:  # the slice's last, partial block
-                _quantize_blocks(chunk[full:].view(1, -1), scales[-1:], codes[start + full : end].view(1, -1))
+            self.encode_range(values[start:end], row, start, end)
+
+    @torch.no_grad()
+    def encode_range(self, values: Tensor, row: Tensor, start: int, end: int) -> None:
+        scales, codes = self._parts(row)
+        first = start // INT8_BLOCK_NUMEL
+        chunk = values.float()
+        full = (end - start) // INT8_BLOCK_NUMEL * INT8_BLOCK_NUMEL
+        if full:
+            _quantize_blocks(
+                chunk[:full].view(-1, INT8_BLOCK_NUMEL),
+                scales[first : first + full // INT8_BLOCK_NUMEL],
+                codes[start : start + full].view(-1, INT8_BLOCK_NUMEL),
+            )
+        if full < end - start:  # the slice's last, partial block
+            _quantize_blocks(chunk[full:].view(1, -1), scales[-1:], codes[start + full : end].view(1, -1))
 
     def decode(self, row: Tensor, start: int, end: int) -> Tensor:
-        """fp32 values of elements ``[start, end)``; ``start`` is a multiple of the block size."""
         scales, codes = self._parts(row)
         first = start // INT8_BLOCK_NUMEL
         out = codes[start:end].to(torch.float32)
@@ -228,6 +243,20 @@ def apply_delta(replica: Tensor, row: Tensor, codec: Codec) -> None:
         end = min(start + CHUNK_NUMEL, codec.numel)
         part = replica[start:end]
         part.copy_(part.float().add_(codec.decode(row, start, end)))
+
+
+@torch.no_grad()
+def publish_delta(master: Tensor, replica: Tensor, published: Tensor, row: Tensor, codec: Codec) -> None:
+    """The owner's side of a param delta, a chunk at a time so each chunk stays in cache: encode
+    ``master - replica`` into ``row``, add the decoded delta to its own ``replica`` as every peer
+    will (:func:`apply_delta`), and copy the result into ``published``."""
+    for start in range(0, codec.numel, CHUNK_NUMEL):
+        end = min(start + CHUNK_NUMEL, codec.numel)
+        part = replica[start:end]
+        widened = part.float()
+        codec.encode_range(master[start:end] - widened, row, start, end)
+        part.copy_(widened.add_(codec.decode(row, start, end)))
+        published[start:end].copy_(part)
 
 
 def all_gather_deltas(

@@ -395,9 +395,7 @@ class Bucket:
         assert codec is not None and shard.master is not None and shard.published is not None
         sent = torch.empty(comm.world_size, codec.row_numel, dtype=codec.wire_dtype)
         own = sent[comm.rank]
-        codec.encode(shard.master - shard.param_view.float(), own)
-        compression.apply_delta(shard.param_view.data, own, codec)
-        shard.published.copy_(shard.param_view)
+        compression.publish_delta(shard.master, shard.param_view.data, shard.published, own, codec)
         comm.wire.params += compression.payload_bytes(codec, comm.world_size)
         return compression.all_gather_deltas(self.param_buffer, sent, codec, comm.group, comm.point_to_point)
 
