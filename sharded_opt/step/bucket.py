@@ -68,7 +68,8 @@ from torch.futures import Future
 
 from fusion.buffers import FlatBuffers
 from fusion.layout import BucketPlan
-from sharded_opt.comm import collectives, compression
+from sharded_opt.comm import collectives
+from sharded_opt.comm.bucket_wire import BucketWire
 from sharded_opt.comm.comm_context import CommContext
 from sharded_opt.comm.streams import (
     note_current_stream,
@@ -117,8 +118,7 @@ class Bucket:
         "_param_work",
         "_param_event",
         "_param_waited",
-        "_grad_codec",
-        "_param_codec",
+        "_wire",
     )
 
     def __init__(
@@ -155,11 +155,8 @@ class Bucket:
         """Its params that do not require grad now, when it has a grad buffer and views."""
         self.flags: SharedFlags | None = None
         """Its params' agreed presence flags in this iteration, once shared (``GradPresence``)."""
-        self._grad_codec = _grad_codec(comm.grad_compression, plan)
-        """How its grads travel when compressed (Note [Compressed wire] in ``compression``)."""
-        self._param_codec = None
-        if comm.param_compression is not None:
-            self._param_codec = compression.make_codec(comm.param_compression, plan.shard_numel)
+        self._wire = BucketWire(comm, plan.shard_numel, plan.dtype)
+        """How its grads and params travel (exact, cast or compressed)."""
 
     # -- buffers -------------------------------------------------------------------------------
 
@@ -292,64 +289,8 @@ class Bucket:
         shard = self._live_shard()
         producers, self._grad_streams = self._grad_streams, []
         wait_compute(comm.stream, producers)
-        grad_buffer = self.grad_buffer
-        reduced = shard.reduced_grad
         with on_stream(comm.stream):
-            if comm.sharded:
-                if comm.receives is not None:
-                    comm.receives.admit(grad_buffer.nbytes)
-                codec = self._grad_codec
-                if codec is not None:
-                    work = compression.reduce_scatter_compressed(
-                        reduced, grad_buffer, codec, comm.group, comm.point_to_point
-                    )
-                    comm.wire.grads += compression.payload_bytes(codec, comm.world_size)
-                elif grad_buffer.dtype == reduced.dtype or comm.widens_on_receipt:
-                    work = collectives.reduce_scatter_avg(
-                        reduced, grad_buffer, comm.group, async_op=True, point_to_point=comm.point_to_point
-                    )
-                    comm.wire.grads += _sent_by_each(grad_buffer, comm.world_size)
-                else:
-                    work = self._reduce_scatter_cast(reduced, grad_buffer)
-                if comm.replicate_group is not None:
-                    work = self._average_replicas_after(work, reduced)
-                if comm.receives is not None:
-                    comm.receives.track(work, grad_buffer.nbytes)
-            else:
-                if reduced is not grad_buffer:
-                    reduced.copy_(grad_buffer)
-                # ``.data`` has a version counter of its own: gloo's in-place average bumps the
-                # counter when it completes, which would read as a user's write to the grads (Note
-                # [Grads written after backward] in ``grad_hooks``); this write is the wrapper's.
-                work = collectives.all_reduce_avg(reduced.data, comm.group, async_op=True)
-                comm.wire.grads += 2 * _sent_by_each(reduced, comm.world_size)
-        self._grad_work = work
-
-    def _average_replicas_after(self, work: Work | Future | None, reduced: Tensor) -> Work | Future | None:
-        """Average the reduced shard over the replicate group once ``work`` wrote it (Note
-        [Hybrid sharding] in ``hybrid_groups``), compressed as its grads are."""
-        comm = self._comm
-        group = comm.replicate_group
-        assert group is not None
-        codec = None
-        if comm.grad_compression is not None:
-            codec = compression.make_codec(comm.grad_compression, reduced.numel())
-            comm.wire.replicas += compression.payload_bytes(codec, group.size())
-        else:
-            comm.wire.replicas += 2 * _sent_by_each(reduced, group.size())
-        return comm.replica_chain.all_reduce_after(work, reduced, group, codec)
-
-    def _reduce_scatter_cast(self, reduced: Tensor, grad_buffer: Tensor) -> Work | Future | None:
-        """Cast the grads into a staging buffer and reduce-scatter that; on the comm stream."""
-        comm = self._comm
-        slot, staging = comm.staging.acquire(grad_buffer.numel(), reduced.dtype)
-        staging.copy_(grad_buffer)
-        work = collectives.reduce_scatter_avg(
-            reduced, staging, comm.group, async_op=True, point_to_point=comm.point_to_point
-        )
-        comm.staging.read_by(slot, work)
-        comm.wire.grads += _sent_by_each(staging, comm.world_size)
-        return work
+            self._grad_work = self._wire.reduce(shard.reduced_grad, self.grad_buffer)
 
     @property
     def grad_sync_pending(self) -> bool:
@@ -368,36 +309,24 @@ class Bucket:
     # -- param sync ------------------------------------------------------------------------------
 
     def start_param_sync(self) -> None:
-        """All-gather the updated shard into the param buffer; on the comm stream, which waited
-        for the step (see :func:`start_param_syncs`)."""
+        """All-gather the updated shard into the param buffer, or share its compressed delta;
+        on the comm stream, which waited for the step (see :func:`start_param_syncs`)."""
         self._param_event = None
         self._param_waited = []
-        comm = self._comm
         shard = self._live_shard()
-        if self._param_codec is not None:
-            self._param_work = self._start_delta_sync(shard)
-            return
-        self._param_work = collectives.all_gather(
-            self.param_buffer, shard.param_view, comm.group, async_op=True, point_to_point=comm.point_to_point
-        )
-        comm.wire.params += (comm.world_size - 1) * shard.param_view.nbytes
+        if self._wire.publishes_deltas:
+            assert shard.master is not None and shard.published is not None
+            replica = shard.param_view.data
+            self._param_work = self._wire.publish_deltas(
+                self.param_buffer, shard.master, replica, shard.published
+            )
+        else:
+            self._param_work = self._wire.gather(self.param_buffer, shard.param_view)
 
     @property
     def publishes_deltas(self) -> bool:
         """Its updated params are shared as compressed deltas (Note [Compressed wire])."""
-        return self._param_codec is not None
-
-    @torch.no_grad()
-    def _start_delta_sync(self, shard: LocalShard) -> Work | Future:
-        """Encode ``master - replica`` of the local shard, add it to this rank's own replica and
-        share it; every peer adds it to its replica too (Note [Compressed wire] in ``compression``)."""
-        comm, codec = self._comm, self._param_codec
-        assert codec is not None and shard.master is not None and shard.published is not None
-        sent = torch.empty(comm.world_size, codec.row_numel, dtype=codec.wire_dtype)
-        own = sent[comm.rank]
-        compression.publish_delta(shard.master, shard.param_view.data, shard.published, own, codec)
-        comm.wire.params += compression.payload_bytes(codec, comm.world_size)
-        return compression.all_gather_deltas(self.param_buffer, sent, codec, comm.group, comm.point_to_point)
+        return self._wire.publishes_deltas
 
     @property
     def param_sync_pending(self) -> bool:
@@ -475,18 +404,3 @@ def republish_exactly(buckets: list[Bucket], comm: CommContext) -> None:
         assert shard.published is not None
         shard.published.copy_(shard.param_view)
         collectives.all_gather(bucket.param_buffer, shard.param_view, comm.group, async_op=False)
-
-
-def _grad_codec(grad_compression: str | None, plan: BucketPlan) -> compression.Codec | None:
-    """The codec its grads travel in, or None for the exact path: also for ``"bf16"`` when
-    its grads are 16-bit already, which the exact path sends as they are (Note [Compressed
-    wire] in ``compression``)."""
-    if grad_compression is None or (grad_compression == "bf16" and plan.dtype.itemsize <= 2):
-        return None
-    return compression.make_codec(grad_compression, plan.shard_numel)
-
-
-def _sent_by_each(bucket_tensor: Tensor, world_size: int) -> int:
-    """Bytes one rank sends in a reduce-scatter or all-gather of ``bucket_tensor`` (or half a ring
-    all-reduce of it): (N-1)/N of it."""
-    return bucket_tensor.nbytes * (world_size - 1) // world_size

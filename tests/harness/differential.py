@@ -35,6 +35,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import hashlib
 import shutil
 import tempfile
 import warnings
@@ -265,6 +266,11 @@ class Program:
     wrapper's state with ``save_checkpoint`` and loads it back (the plain run goes on)."""
     fp64: bool = False
     """Every param (the outside weight too) and batch in float64; never with ``bf16_master``."""
+    compressed: bool = False
+    """The wrappers send int8 grads and int8 param deltas (``grad_compression`` and
+    ``param_compression``, Note [Compressed wire]): no longer equal to plain torch, so
+    :func:`check_result` checks only that both runs raise alike and the params stay finite, and
+    :func:`check_compressed_modes` that sync and overlap agree bitwise and so do the ranks."""
     compiled: bool = False
     """The forward runs through ``torch.compile`` with ``compile_backend`` of the wrappers (cut
     at their buckets) in the sharded run, through ``torch.compile`` alone in the plain one,
@@ -567,6 +573,8 @@ class ShardedRun:
             bucket_size_mb=program.bucket_size_mb,
             master_dtype=torch.float32 if program.bf16_master else None,
             degree=None if program.device_mesh else program.degree,
+            grad_compression="int8" if program.compressed else None,
+            param_compression="int8" if program.compressed else None,
         )
         # torch's collective check (check_collectives_across_ranks) compares each collective
         # across the ranks when it is issued, and waits there for the others. Two wrappers in
@@ -851,6 +859,8 @@ def run_program(program: Program) -> dict:
     else:
         errors = run_steps(sharded, plain, program.steps)
     results = run_results(sharded, plain)
+    if program.compressed:
+        results["ranks_agree"] = _ranks_agree(results["sharded"])
     sharded.close()
     return {
         **results,
@@ -858,6 +868,14 @@ def run_program(program: Program) -> dict:
         "plain_start_state": started["plain"],
         "errors": errors,
     }
+
+
+def _ranks_agree(params: list[torch.Tensor]) -> bool:
+    """Whether every rank holds bitwise the same ``params`` (collective)."""
+    digest = hashlib.sha256(b"".join(p.detach().double().numpy().tobytes() for p in params)).hexdigest()
+    digests: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    return len(set(digests)) == 1
 
 
 def run_steps(
@@ -1057,6 +1075,10 @@ def check_result(program: Program, result: dict, where: str) -> None:
             f"only one run raised: {errors}, {where}"
         )
         return
+    if program.compressed:
+        assert all(p.isfinite().all() for p in result["sharded"]), f"compressed params not finite, {where}"
+        assert result["ranks_agree"], f"ranks hold different params with compression, {where}"
+        return
     tolerance = BF16_TOLERANCE if program.bf16_master else FP64_TOLERANCE if program.fp64 else FP32_TOLERANCE
     _assert_params_close(result["sharded"], result["plain"], tolerance, where)
     _assert_params_close(result["sharded_reads"], result["plain_reads"], tolerance, f"read, {where}")
@@ -1069,6 +1091,16 @@ def check_result(program: Program, result: dict, where: str) -> None:
         for index, (mine, theirs) in enumerate(pairs):
             at = f"{name.replace('_', ' ')} of optimizer {index}, {where}"
             _assert_states_close(mine, theirs, at, flags, fp64=program.fp64)
+
+
+def check_compressed_modes(program: Program, sync: dict, overlap: dict, where: str) -> None:
+    """A compressed program's sync and overlap runs end with bitwise the same params, reads and
+    EMAs (they issue the same collectives on the same buffers, Note [Compressed wire])."""
+    if not program.compressed or sync["errors"] is not None or overlap["errors"] is not None:
+        return
+    for name in ("sharded", "sharded_reads", "sharded_emas"):
+        for index, (a, b) in enumerate(zip(sync[name], overlap[name], strict=True)):
+            assert torch.equal(a, b), f"{name} {index}: sync and overlap differ with compression, {where}"
 
 
 def _assert_params_close(got: list, expected: list, tolerance: dict, where: str) -> None:

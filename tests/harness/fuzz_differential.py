@@ -21,6 +21,10 @@ each world size with its own time limit, one world size after another:
 
     python -m tests.harness.fuzz_differential --campaign [--seed S] [--concurrent]
 
+About one program in seven of a campaign sends a compressed wire (``Program.compressed``: int8
+grads and int8 param deltas): those are checked for ranks and modes that agree bitwise, not
+against plain torch (``check_compressed_modes``).
+
 It prints a summary (commit, seed, per world size the programs run, the failing runs and the
 seconds) and writes it to ``out/campaign-<seed>.json``; the exit status is 1 if any run failed
 or a world size ran out of time before its last program. ``--concurrent`` runs the world sizes
@@ -49,7 +53,15 @@ import torch.distributed as dist
 from hypothesis import strategies as st
 
 from tests.harness import differential
-from tests.harness.differential import Program, StepSpec, check_result, draw_programs, programs, run_program
+from tests.harness.differential import (
+    Program,
+    StepSpec,
+    check_compressed_modes,
+    check_result,
+    draw_programs,
+    programs,
+    run_program,
+)
 from tests.harness.dist_helper import run_ranks
 
 FUZZ_COLLECTIVE_TIMEOUT_S = 60.0
@@ -96,6 +108,18 @@ def hybrid_programs(world_size: int) -> st.SearchStrategy:
     return drawn()
 
 
+def campaign_programs(world_size: int) -> st.SearchStrategy:
+    """Programs of :func:`hybrid_programs`, about one in six of them with a compressed wire
+    (``Program.compressed``), hybrid or not."""
+
+    @st.composite
+    def drawn(draw) -> Program:
+        program = draw(hybrid_programs(world_size))
+        return dataclasses.replace(program, compressed=draw(differential.one_in(4)))
+
+    return drawn()
+
+
 def check_programs(batch: list[Program], deadline: float) -> tuple[int, list[tuple[int, bool, str]]]:
     """On each rank: run every program sync and overlap until ``deadline`` (seconds since the
     epoch); returns how many programs ran and (program index, overlap, message) for each run
@@ -112,12 +136,18 @@ def check_programs(batch: list[Program], deadline: float) -> tuple[int, list[tup
         if stop[0]:
             break
         ran += 1
+        results = {}
         for overlap in (False, True):
             try:
-                result = run_program(dataclasses.replace(program, overlap=overlap))
-                check_result(program, result, f"rank {dist.get_rank()}")
+                results[overlap] = run_program(dataclasses.replace(program, overlap=overlap))
+                check_result(program, results[overlap], f"rank {dist.get_rank()}")
             except Exception:  # noqa: BLE001 - reported with the program, the campaign goes on
                 failures.append((index, overlap, traceback.format_exc(limit=-6)))
+        if len(results) == 2:
+            try:
+                check_compressed_modes(program, results[False], results[True], f"rank {dist.get_rank()}")
+            except AssertionError:
+                failures.append((index, True, traceback.format_exc(limit=-6)))
         dist.barrier()
     return ran, failures
 
@@ -125,7 +155,7 @@ def check_programs(batch: list[Program], deadline: float) -> tuple[int, list[tup
 def fuzz(world_size: int, count: int, seed: int, time_limit_s: float) -> tuple[list[Failure], int]:
     """Draw ``count`` programs for ``world_size`` and check them until the time limit; returns
     the failures and how many programs ran."""
-    batch = draw_programs(count, seed=seed + world_size, strategy=hybrid_programs(world_size))
+    batch = draw_programs(count, seed=seed + world_size, strategy=campaign_programs(world_size))
     return run_batch(world_size, batch, time_limit_s)
 
 
