@@ -412,12 +412,15 @@ def _user_writes_reach_the_master() -> dict[str, bool]:
     masters_kept = all(torch.equal(a, s.master) for a, s in zip(masters, shards, strict=True))
     written = torch.randn(model.fc1.weight.shape, generator=torch.Generator().manual_seed(5))
     model.fc1.weight.data.copy_(written)  # the same values on every rank, as a model load writes
+    replaced = torch.full_like(model.fc2.bias, 0.25)
+    model.fc2.bias.data = replaced.clone()  # a new tensor: copied into the bucket at step()
     model(torch.randn(4, 16)).sum().backward()
     opt.step()
     result = {
         "masters_kept": masters_kept,
         "caught_up": behind > 0 and after < behind / 50,
-        "write_kept": torch.equal(model.fc1.weight.detach(), written),
+        "write_kept": torch.equal(model.fc1.weight.detach(), written)
+        and torch.equal(model.fc2.bias.detach(), replaced),
     }
     opt.close()
     return result
