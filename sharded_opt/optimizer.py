@@ -14,45 +14,35 @@ runtime objects with one job each (module map in ``docs/design.md``):
 - ``WrappedOptimizerGuard`` (``wrapped_guard``): the wrapped optimizer's refusals and hooks.
 - ``GradClipping`` (``grad_clipping``): the norm and the clipping of the averaged grads.
 - ``StateDictExchange`` (``state_dict``): ``state_dict``, ``consolidate_state_dict`` and
-  ``load_state_dict`` around the state conversions.
+  ``load_state_dict`` around the state conversions; those three methods come from the base
+  class ``StateDictMethods`` (``state_dict_methods``).
+- ``WrapperLifetime`` (``wrapper_lifetime``): the groups' lease and every hook, given back by
+  ``close()`` or when a dropped wrapper is collected.
 
-The construction steps (config, layout, communicator, shards, the attached model's hooks) are in
-``wrapper_init``.
+The construction steps (config, layout, communicator, shards, the runtime objects over them, the
+attached model's hooks) are in ``wrapper_init``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.hooks import RemovableHandle
 
-from sharded_opt.comm.collective_guard import EntryGuard
-from sharded_opt.comm.communicator_pool import groups_can_be_destroyed, release_communicators
-from sharded_opt.comm.hybrid_groups import lease_shard_groups
-from sharded_opt.guards.messages import closed_error
-from sharded_opt.guards.param_guard import ParamGuard
-from sharded_opt.guards.validation import check_same_layout
 from sharded_opt.guards.wrapped_guard import ADD_GROUPS_FIRST, WrappedOptimizerGuard
-from sharded_opt.model_hooks.weak_hooks import remove_handles
-from sharded_opt.state.state_dict import StateDictExchange
 from sharded_opt.state.state_view import ShardedStateView
-from sharded_opt.step.grad_clipping import GradClipping
-from sharded_opt.step.grad_sync import GradSync
-from sharded_opt.step.param_sync import ParamSync
-from sharded_opt.step.step_pipeline import StepPipeline, amp_scaling_arguments
+from sharded_opt.state_dict_methods import StateDictMethods
+from sharded_opt.step.step_pipeline import amp_scaling_arguments
 from sharded_opt.strategy import Strategy
-from sharded_opt.wrapper_init import AttachedModel, ModelAttacher, build_shards, check_locally, plan_buckets
+from sharded_opt.wrapper_init import AttachedModel, build_runtime
 
 
-class ShardingStage1(torch.optim.Optimizer):
+class ShardingStage1(StateDictMethods):
     """Shard an optimizer's state over the ranks of a process group (ZeRO stage 1).
 
     The user's params are moved into flat, aligned buckets (their ``.data`` and ``.grad``
@@ -69,20 +59,17 @@ class ShardingStage1(torch.optim.Optimizer):
         overlap: overrides ``strategy.sharding.enable_overlap``. With overlap, each bucket's
             reduce-scatter starts during backward as soon as its grads are complete, and (with a
             model attached) the all-gather of later layers runs during the next forward.
-        strategy: a :class:`Strategy`; default ``Strategy()``. It is copied, so later changes
-            to the object do not affect this wrapper.
+        strategy: a :class:`Strategy`; default ``Strategy()``. It is copied: later changes to
+            the object do not affect this wrapper.
         process_group: ranks to shard over; default the whole world. The wrapper communicates
-            on a group of its own over the same ranks (``self.process_group``; Note [One
-            communicator per wrapper] in ``sharded_opt/comm/communicator_pool.py``).
+            on a group of its own over the same ranks (:attr:`process_group`).
         model: the module that holds the params (some may live outside it, such as a loss
-            module's). In overlap mode its modules then wait for their own params only, see
-            :meth:`attach`.
+            module's), attached at once, see :meth:`attach`.
         assume_elementwise: accept an optimizer class not known to be element-wise, on the
             caller's word that each element's update depends only on its own grad and state.
-        device_mesh: hybrid sharding given as FSDP2's HSDP takes it: a 2-D ``DeviceMesh`` whose
-            dims are (replicate, shard), each row a shard group (``docs/hybrid-sharding.md``,
-            Note [Hybrid sharding] in ``sharded_opt/comm/hybrid_groups.py``). Not together with
-            ``process_group`` or ``degree``.
+        device_mesh: hybrid sharding given as FSDP2's HSDP takes it: a 2-D ``DeviceMesh`` of
+            dims (replicate, shard), each row a shard group (``docs/hybrid-sharding.md``). Not
+            together with ``process_group`` or ``degree``.
 
     Raises:
         TypeError: ``optimizer`` is not a supported ``torch.optim.Optimizer``; bad argument types.
@@ -92,15 +79,13 @@ class ShardingStage1(torch.optim.Optimizer):
         RuntimeError: no initialized process group.
 
     Grads: ``param.grad`` stays a view of the flat grad buffer and holds this rank's local
-    (not averaged) grad; the averaged grad of the local shard is what the optimizer steps. A
-    bucket of many tiny params keeps autograd's own grads instead and copies them in at
-    ``step()`` (Note [Staged grads] in ``fusion.layout``).
+    (not averaged) grad; the averaged grad of the local shard is what the optimizer steps, and
+    what the clipping methods see. A bucket of many tiny params keeps autograd's own grads
+    instead and copies them in at ``step()`` (Note [Staged grads] in ``fusion.layout``).
 
-    The runtime pieces are attributes for the library's own checkpointing and scaler (and for
-    tests and benchmarks), not for training code: ``plan`` (the bucket layout), ``shards``
-    (:class:`~sharded_opt.step.optimizer_shards.OptimizerShards`: buffers, per-bucket shards, the
-    wrapped optimizer) and ``grad_sync`` (:class:`~sharded_opt.step.grad_sync.GradSync`: which grads
-    are ready and present, the reductions).
+    ``plan`` (the bucket layout), ``shards`` (the buffers, per-bucket shards and inner optimizer)
+    and ``grad_sync`` (the reductions) are the runtime pieces, for the library's checkpointing
+    and scaler, tests and benchmarks, not for training code.
     """
 
     _step_supports_amp_scaling = True
@@ -117,28 +102,16 @@ class ShardingStage1(torch.optim.Optimizer):
         assume_elementwise: bool = False,
         device_mesh: DeviceMesh | None = None,
     ) -> None:
-        config, needs, params, specs = check_locally(optimizer, model, strategy, overlap, assume_elementwise)
-        # Groups of its own, a dropped wrapper's where one is free: Note [Reusing a dropped
-        # wrapper's groups]; given back when this wrapper is collected, or by close().
-        self._lease = lease_shard_groups(process_group, config.degree, device_mesh, config.enable)
-        groups = self._lease.groups
-        check_same_layout(specs, groups.world, groups.world_size)
-        self.overlap = config.enable_overlap
-        self.collective_entry_timeout_s = config.collective_entry_timeout_s
-        self.sharded = config.enable
-        self.shard_groups = groups
-        self.plan, precisions = plan_buckets(optimizer, needs, specs, config, groups)
-        # ``self`` owns the param groups; the cycle through it keeps a dropped wrapper (and its
-        # hooks) alive until the garbage collector runs, as it always did.
-        self.shards = build_shards(optimizer, self, self.plan, params, precisions, config, groups)
-        self.grad_sync = GradSync(self.shards, self.overlap)
-        self._param_sync = ParamSync(self.shards.buckets, self.shards.comm)
-        self._param_guard = ParamGuard(self.shards.buffers, self._param_sync)
-        self._clipping = GradClipping(self.grad_sync, self.shards, self._param_guard)
-        self._pipeline = StepPipeline(self.shards, self.grad_sync, self._param_sync, needs.state_per_param)
-        # A failed check leaves the ranks' call counters on the groups apart: never reused.
-        self.entry_guard = EntryGuard(groups.world, self.collective_entry_timeout_s, self._lease.withhold)
-        self._state_dicts = StateDictExchange(self.shards, self._param_sync, self.entry_guard)
+        built = build_runtime(
+            self, optimizer, model, strategy, overlap, assume_elementwise, process_group, device_mesh
+        )
+        self.overlap, self.sharded = built.config.enable_overlap, built.config.enable
+        self.collective_entry_timeout_s = built.config.collective_entry_timeout_s
+        self.plan, self.shards, self.shard_groups = built.shards.plan, built.shards, built.shards.groups
+        self.grad_sync, self.entry_guard, self._lifetime = built.grad_sync, built.entry_guard, built.lifetime
+        self._param_sync, self._param_guard = built.param_sync, built.param_guard
+        self._clipping, self._pipeline = built.clipping, built.pipeline
+        self._state_dicts, self._attacher = built.state_dicts, built.attacher
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
         self.state = ShardedStateView()  # type: ignore[assignment]  # Note [No per-param state]
         # The wrapper's groups *are* the wrapped optimizer's group dicts, so a scheduler built on
@@ -146,12 +119,10 @@ class ShardingStage1(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
         self._layout_frozen = True
-        self._track_hooks()
-        self._attacher = ModelAttacher(self.shards, self._param_guard, config)
         if model is not None:
             self._take_over(self._attacher.install(model))  # checked by check_locally, before any collective
         self._wrapped_guard = WrappedOptimizerGuard(self, optimizer)
-        self._hook_handles += self._wrapped_guard.wrapper_handles
+        self._lifetime.keep_wrapped_guard(self._wrapped_guard)
 
     # -- training loop ---------------------------------------------------------------------
 
@@ -163,7 +134,7 @@ class ShardingStage1(torch.optim.Optimizer):
         and state are left exactly as they are. Keyword arguments are passed to the wrapped
         optimizer's ``step``. Returns the closure's result (the loss).
         """
-        self._check_open("step")
+        self._lifetime.check_open("step")
         self._state_dicts.discard_consolidated()
         loss = None
         if closure is not None:
@@ -187,14 +158,13 @@ class ShardingStage1(torch.optim.Optimizer):
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """Clip the averaged grads by their global norm; returns the total norm.
+        """Clip the averaged grads by their global norm; returns the total norm (collective).
 
-        Equals ``torch.nn.utils.clip_grad_norm_`` over the unsharded, averaged grads, the same
-        on every rank (one all-reduce of a scalar). Call it between backward and ``step()``: it
-        finishes the grad reduction now, and ``step()`` uses the clipped grads. As in torch,
-        params without a grad count neither in the norm nor in the clipping. ``param.grad`` (the
-        local grads) is not changed, so zero grads between steps as usual (see
-        ``docs/user-guide.md``).
+        Equals ``torch.nn.utils.clip_grad_norm_`` over the unsharded, averaged grads, on every
+        rank; params without a grad count neither in the norm nor in the clipping. Call it
+        between backward and ``step()``: it finishes the grad reduction now, and ``step()`` uses
+        the clipped grads. ``param.grad`` (the local grads) is not changed, so zero grads between
+        steps as usual (see ``docs/user-guide.md``).
 
         Raises:
             ValueError: ``norm_type`` is not positive.
@@ -204,13 +174,9 @@ class ShardingStage1(torch.optim.Optimizer):
 
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of the averaged grads over every shard, without clipping (collective).
-
-        What DDP users log with ``get_total_norm`` over ``param.grad``, which here holds only
-        this rank's local grads. Like :meth:`clip_grad_norm_` it finishes the grad reduction now
-        (call it between backward and ``step()``) and equals ``torch.nn.utils.get_total_norm``
-        over the unsharded averaged grads on every rank; params without a grad do not count.
-        Grads are not changed.
+        """The norm of the averaged grads, without clipping: what DDP users log with
+        ``get_total_norm`` over ``param.grad``, which here holds only this rank's local grads.
+        Computed and called as :meth:`clip_grad_norm_`'s norm; grads are not changed.
 
         Raises:
             ValueError: ``norm_type`` is not positive.
@@ -219,21 +185,15 @@ class ShardingStage1(torch.optim.Optimizer):
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
-        """Clamp the averaged grads to ``[-clip_value, clip_value]``.
-
-        Equals ``torch.nn.utils.clip_grad_value_`` over the unsharded, averaged grads (each rank
-        clamps its own shard). Call it between backward and ``step()``; it finishes the grad
-        reduction now. ``param.grad`` (the local, unreduced grads) is not changed.
-        """
+        """Clamp the averaged grads to ``[-clip_value, clip_value]``, as
+        ``torch.nn.utils.clip_grad_value_`` over the unsharded ones (each rank clamps its own
+        shard). Called as :meth:`clip_grad_norm_`; ``param.grad`` is not changed."""
         self._clipping.clip_grad_value_(clip_value)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Accumulate grads of the backward passes inside the block without communicating.
-
-        As with DDP: run every micro-batch's backward but the last inside ``no_sync()``; the
-        last backward (outside) then reduces the summed grads. Blocks nest as DDP's do. In sync
-        mode communication only happens in ``step()`` anyway, so the block changes nothing.
-        """
+        """Accumulate grads of the backward passes inside the block without communicating, as
+        DDP's: every micro-batch's backward but the last inside it (blocks nest). In sync mode
+        communication only happens in ``step()`` anyway, so the block changes nothing."""
         return self.grad_sync.no_sync()
 
     def sync_params(self) -> None:
@@ -244,22 +204,20 @@ class ShardingStage1(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: a param was written (``param.copy_``...) while it was still being
-                all-gathered, see Note [Writes while params are gathered].
+                all-gathered (Note [Writes while params are gathered]).
         """
         self._param_sync.finish_param_sync()
 
     def wait_for_params(self, stream: torch.Stream | None = None) -> None:
         """Make ``stream`` (default: the current stream) wait until every param holds its updated
-        value; on CPU this is :meth:`sync_params`. Work that no forward pre-hook sees needs it
-        first: every CUDA graph replay (on the stream that replays), reads of params on another
-        stream. On NCCL the host is not blocked (Note [Streams and events] in
-        ``sharded_opt/comm/streams.py``; ``docs/accelerators.md``).
+        value, without blocking the host on NCCL (``docs/accelerators.md``); on CPU this is
+        :meth:`sync_params`. Work that no forward pre-hook sees needs it first: every CUDA graph
+        replay (on the stream that replays), reads of params on another stream.
 
         Raises:
             TypeError: ``stream`` is not a ``torch.Stream`` (or None).
             ValueError: ``stream`` is on another device than the params.
-            RuntimeError: a param was written while it was still being all-gathered, see
-                Note [Writes while params are gathered].
+            RuntimeError: as :meth:`sync_params`.
         """
         self._param_sync.wait_for_params(stream)
 
@@ -268,10 +226,9 @@ class ShardingStage1(torch.optim.Optimizer):
         own params' all-gathers.
 
         As DDP's constructor does, every param and buffer of ``model`` is broadcast from the
-        group's first rank (collective); with ``Strategy().sharding.broadcast_buffers`` (the
-        default, like DDP's) buffers are broadcast again before each forward with grad. In
-        overlap mode ``step()`` then returns at once and each module's forward waits only for
-        its own params' all-gathers (Note [No stale params]; ``docs/user-guide.md``).
+        group's first rank (collective), and with ``broadcast_buffers`` (the default, as DDP's)
+        buffers again before each forward with grad. In overlap mode ``step()`` then returns at
+        once (Note [No stale params]; ``docs/user-guide.md``).
 
         Raises:
             ValueError: ``model`` holds none of the optimizer's trainable params, a module of
@@ -283,48 +240,26 @@ class ShardingStage1(torch.optim.Optimizer):
     def close(self) -> None:
         """Wait for the all-gathers in flight, remove every hook and destroy the process groups
         this wrapper created (collective: call it on every rank; Note [Releasing a wrapper's
-        groups] in ``communicator_pool``); over a strict subgroup they are kept for the next wrapper
-        over the same ranks instead. Calling it again does nothing. A wrapper dropped without
-        ``close()`` gives its groups to the next wrapper over the same ranks when it is
-        collected, so a loop that drops wrappers stays bounded without it.
+        groups] in ``communicator_pool``); over a strict subgroup they are kept for the next
+        wrapper over the same ranks instead. Calling it again does nothing. ``with
+        ShardingStage1(...) as opt:`` closes at the end of the block (this rank alone, keeping
+        the groups, when an exception ends it).
 
         The model and the wrapped torch optimizer are then as if never wrapped (params stay views
         of the flat buffers): a new ``ShardingStage1`` can be built over the same params or torch
-        optimizer, which may also step on its own again; this one's ``step()`` raises. A dropped
-        wrapper loses its hooks when collected (Note [Hook lifetimes and copies]), but its torch
-        optimizer keeps refusing ``step()``. ``with ShardingStage1(...) as opt:`` closes at the end
-        of the block (this rank alone, keeping the groups, when an exception ends it).
+        optimizer, which may also step on its own again; this one's ``step()`` raises. A wrapper
+        dropped without ``close()`` gives its groups to the next wrapper over the same ranks and
+        loses its hooks when collected (Note [Hook lifetimes and copies]), so a loop that drops
+        wrappers stays bounded; its torch optimizer keeps refusing ``step()``.
         """
-        self._close(release_groups=True)
-
-    def _close(self, release_groups: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        destroy = release_groups and groups_can_be_destroyed(self.process_group)
-        if destroy or not release_groups:
-            # Destroyed below, or an exception may have left this rank's collectives on them
-            # unmatched: never reused (Note [Reusing a dropped wrapper's groups]).
-            self._lease.withhold()
-        self._release()
-        self._wrapped_guard.release()
-        if destroy:
-            release_communicators(self.shard_groups.owned())
-            self._lease.remove()
-        elif release_groups:
-            self._lease.give_back()
+        self._lifetime.close(release_groups=True)
 
     def __enter__(self) -> ShardingStage1:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         # After an exception the other ranks may never reach close(): no collective then.
-        self._close(release_groups=exc_type is None)
+        self._lifetime.close(release_groups=exc_type is None)
 
     # -- introspection -----------------------------------------------------------------------
 
@@ -333,16 +268,13 @@ class ShardingStage1(torch.optim.Optimizer):
         return self.shards.optimizer_state_bytes()
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for training, by kind.
-
-        Keys: ``params`` and ``grads`` (the flat buffers, padding included), ``reduced_grads``
-        (the averaged grads the optimizer steps, when not the grad buffer itself), ``master``
-        (master copies of the local shard), ``published`` (with ``param_compression``: the local
-        shard's params as last sent, Note [Compressed wire] in ``compression``),
-        ``optimizer_state``, ``staging`` (casts of grads to ``reduce_dtype`` for the
-        reduce-scatter, Note [Bounded staging] in ``comm_context``; none on CPU gloo, which
-        widens on receipt).
-        """
+        """Bytes this rank holds for training, by kind: ``params`` and ``grads`` (the flat
+        buffers, padding included), ``reduced_grads`` (the averaged grads the optimizer steps,
+        when not the grad buffer itself), ``master`` (master copies of the local shard),
+        ``published`` (with ``param_compression``: the local shard's params as last sent, Note
+        [Compressed wire] in ``compression``), ``optimizer_state``, ``staging`` (grads cast to
+        ``reduce_dtype`` for the reduce-scatter, Note [Bounded staging] in ``comm_context``;
+        none on CPU gloo, which widens on receipt)."""
         return self.shards.memory_bytes()
 
     def wire_bytes(self) -> dict[str, int]:
@@ -358,77 +290,12 @@ class ShardingStage1(torch.optim.Optimizer):
             raise RuntimeError(f"ShardingStage1 lays params out once, when it is built; {ADD_GROUPS_FIRST}")
         super().add_param_group(param_group)
 
-    def state_dict(self, *, to_rank: int | None = None) -> dict[str, Any] | None:  # type: ignore[override]
-        """The wrapped optimizer's state in the standard ``torch.optim`` format (collective).
-
-        Per original param (same indices as the user's optimizer) with state tensors of the
-        param's own shape: it loads into a plain optimizer of the same class, or into a
-        ``ShardingStage1`` on any number of ranks (``docs/checkpoints.md``). State-dict hooks
-        run as in torch; post-hooks only on the ranks that get the state dict. After
-        :meth:`consolidate_state_dict`, ``state_dict()`` without ``to_rank`` is not collective
-        until the next ``step()`` or ``load_state_dict()``.
-
-        Args:
-            to_rank: materialize the full state on this rank of the group only; the other ranks
-                return None. Default: every rank gets it.
-
-        Raises:
-            ValueError: ``to_rank`` is not a rank of the group.
-            RuntimeError: only some ranks called it (Note [Collectives entered by some ranks]),
-                or on another rank than the one :meth:`consolidate_state_dict` gathered to.
-        """
-        self._check_open("state_dict")
-        return self._state_dicts.state_dict(self, to_rank)
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the full state on rank ``to`` of the group, for a later ``state_dict()`` there
-        (collective; torch ``ZeroRedundancyOptimizer``'s protocol).
-
-        Frameworks that save on one rank (Lightning, code written for torch's ZeRO) call this on
-        every rank, then ``state_dict()`` on rank ``to`` alone, which until the next ``step()``
-        or ``load_state_dict()`` returns the gathered state without communicating (with the
-        current param groups) and raises on the other ranks (``docs/trainers.md``). Only rank
-        ``to`` holds the gathered state meanwhile.
-
-        Raises:
-            ValueError: ``to`` is not a rank of the group.
-            RuntimeError: only some ranks called it (see Note [Collectives entered by some ranks]).
-        """
-        self._check_open("consolidate_state_dict")
-        self._state_dicts.consolidate(to)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a standard ``torch.optim`` state dict (from a plain optimizer or from
-        :meth:`state_dict`, saved on any number of ranks).
-
-        Everything is validated before anything changes: on error the optimizer is exactly as
-        it was. Load-state-dict hooks run around it, as in torch.
-
-        Raises:
-            ValueError: wrong structure, number of groups or params, state keys of another
-                optimizer class or configuration, or state shapes that do not match the params.
-        """
-        self._check_open("load_state_dict")
-        self._state_dicts.load_state_dict(self, state_dict)
-
     # -- internals -------------------------------------------------------------------------
-
-    def _track_hooks(self) -> None:
-        """Arrange for every hook to be removed by ``close()`` or when this wrapper is
-        collected, see Note [Hook lifetimes and copies]."""
-        self._closed = False
-        self._hook_handles: list[RemovableHandle] = []
-        # The tracker's list, not a copy: it grows when params are unfrozen later.
-        self._release = weakref.finalize(
-            self, _release_hooks, self._param_sync, self._hook_handles, self.grad_sync.tracker.handles
-        )
-        # At interpreter exit the process group may be gone; there is nothing to wait for then.
-        self._release.atexit = False
 
     def _take_over(self, attached: AttachedModel) -> None:
         """Keep the attached model's hooks for ``close()``; in overlap mode, leave the
         all-gathers to its per-module waits."""
-        self._hook_handles += attached.handles
+        self._lifetime.keep_hooks(attached.handles)
         if attached.waiter is not None:
             self._param_sync.wait_per_module(attached.waiter)
 
@@ -436,12 +303,12 @@ class ShardingStage1(torch.optim.Optimizer):
     def closed(self) -> bool:
         """Whether :meth:`close` ran (or a ``with`` block ended): the hooks and, when it spans
         the world, the process groups are gone, so ``step()`` and the state-dict methods raise."""
-        return self._closed
+        return self._lifetime.closed
 
     @property
     def process_group(self) -> ProcessGroup:
         """The wrapper's own communicator over the ranks it was built for (Note [One
-        communicator per wrapper] in ``validation``)."""
+        communicator per wrapper] in ``communicator_pool``)."""
         return self.shard_groups.world
 
     @property
@@ -454,10 +321,6 @@ class ShardingStage1(torch.optim.Optimizer):
         """The number of ranks of :attr:`process_group`."""
         return self.shard_groups.world_size
 
-    def _check_open(self, method: str) -> None:
-        if self._closed:
-            raise RuntimeError(closed_error(f"ShardingStage1.{method}"))
-
     def __reduce_ex__(self, protocol: int) -> Any:
         """Refuse pickling and ``copy.deepcopy``: a copy would share or lose the process group,
         the flat buffers the params view and the hooks, and fail later at ``step()``."""
@@ -466,11 +329,3 @@ class ShardingStage1(torch.optim.Optimizer):
             "its params are views of, and hooks on them. Save opt.state_dict() (or use "
             "sharded_opt.save_checkpoint(path, model, opt)) and build a new ShardingStage1 to restore"
         )
-
-
-def _release_hooks(param_sync: ParamSync, *handle_lists: list[RemovableHandle]) -> None:
-    """Finish the all-gathers still writing the params (a new wrapper may copy them next), then
-    remove every hook."""
-    param_sync.finish_gathers()
-    for handles in handle_lists:
-        remove_handles(handles)

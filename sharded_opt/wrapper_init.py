@@ -1,6 +1,7 @@
 """Construction steps of ``ShardingStage1`` (as FSDP2's ``_fsdp_init``): the resolved config,
 the bucket layout and precisions, the communicator that runs each bucket's collectives, this
-rank's shards and inner optimizer, and the hooks on an attached model."""
+rank's shards and inner optimizer, the runtime objects over them (:func:`build_runtime`), and the
+hooks on an attached model."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from fusion.bucket_sizing import trainable_bytes
 from fusion.buffers import FlatBuffers
 from fusion.layout import LayoutPlan, ParamSpec, plan_layout
+from sharded_opt.comm.collective_guard import EntryGuard
 from sharded_opt.comm.comm_context import CommContext
-from sharded_opt.comm.hybrid_groups import ShardGroups
+from sharded_opt.comm.hybrid_groups import ShardGroups, lease_shard_groups
 from sharded_opt.comm.initial_broadcast import broadcast_from_first_rank, broadcast_model_state, first_rank
 from sharded_opt.guards.optimizer_needs import OptimizerNeeds
 from sharded_opt.guards.param_guard import ParamGuard
@@ -24,15 +28,82 @@ from sharded_opt.guards.validation import (
     check_compression,
     check_holds_trained_params,
     check_optimizer,
+    check_same_layout,
     check_trained_modules,
     collect_params,
 )
 from sharded_opt.model_hooks.param_hooks import BufferBroadcaster, ParamReadyWaiter
+from sharded_opt.state.state_dict import StateDictExchange
 from sharded_opt.step.bucket import build_buckets
+from sharded_opt.step.grad_clipping import GradClipping
+from sharded_opt.step.grad_sync import GradSync
 from sharded_opt.step.inner_optimizer import build_inner_optimizer, check_steps
 from sharded_opt.step.local_shard import BucketPrecision, resolve_precision
 from sharded_opt.step.optimizer_shards import OptimizerShards, ParamGroupsOwner
+from sharded_opt.step.param_sync import ParamSync
+from sharded_opt.step.step_pipeline import StepPipeline
 from sharded_opt.strategy import ShardingConfig, Strategy
+from sharded_opt.wrapper_lifetime import WrapperLifetime
+
+
+@dataclass(frozen=True, slots=True)
+class WrapperRuntime:
+    """The objects a ``ShardingStage1`` delegates to, built by :func:`build_runtime` (each one's
+    job in the module docstring of ``optimizer``)."""
+
+    config: ShardingConfig
+    shards: OptimizerShards
+    grad_sync: GradSync
+    param_sync: ParamSync
+    param_guard: ParamGuard
+    clipping: GradClipping
+    pipeline: StepPipeline
+    entry_guard: EntryGuard
+    state_dicts: StateDictExchange
+    attacher: ModelAttacher
+    lifetime: WrapperLifetime
+
+
+def build_runtime(
+    wrapper: ParamGroupsOwner,
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module | None,
+    strategy: Strategy | None,
+    overlap: bool | None,
+    assume_elementwise: bool,
+    process_group: ProcessGroup | None,
+    device_mesh: DeviceMesh | None,
+) -> WrapperRuntime:
+    """Everything ``ShardingStage1.__init__`` needs before torch's ``Optimizer.__init__`` runs,
+    from its arguments: the local checks, then the collective steps (the groups, the same layout
+    on every rank, the broadcast of the params). ``wrapper`` owns the param groups; the cycle
+    through it keeps a dropped wrapper (and its hooks) alive until the garbage collector runs."""
+    config, needs, params, specs = check_locally(optimizer, model, strategy, overlap, assume_elementwise)
+    # Groups of its own, a dropped wrapper's where one is free: Note [Reusing a dropped
+    # wrapper's groups]; given back when the wrapper is collected, or by close().
+    lease = lease_shard_groups(process_group, config.degree, device_mesh, config.enable)
+    groups = lease.groups
+    check_same_layout(specs, groups.world, groups.world_size)
+    plan, precisions = plan_buckets(optimizer, needs, specs, config, groups)
+    shards = build_shards(optimizer, wrapper, plan, params, precisions, config, groups)
+    grad_sync = GradSync(shards, config.enable_overlap)
+    param_sync = ParamSync(shards.buckets, shards.comm)
+    param_guard = ParamGuard(shards.buffers, param_sync)
+    # A failed check leaves the ranks' call counters on the groups apart: never reused.
+    entry_guard = EntryGuard(groups.world, config.collective_entry_timeout_s, lease.withhold)
+    return WrapperRuntime(
+        config=config,
+        shards=shards,
+        grad_sync=grad_sync,
+        param_sync=param_sync,
+        param_guard=param_guard,
+        clipping=GradClipping(grad_sync, shards, param_guard),
+        pipeline=StepPipeline(shards, grad_sync, param_sync, needs.state_per_param),
+        entry_guard=entry_guard,
+        state_dicts=StateDictExchange(shards, param_sync, entry_guard),
+        attacher=ModelAttacher(shards, param_guard, config),
+        lifetime=WrapperLifetime(wrapper, lease, param_sync, grad_sync.tracker.handles),
+    )
 
 
 def check_locally(
