@@ -155,7 +155,7 @@ class Bucket:
         """Its params that do not require grad now, when it has a grad buffer and views."""
         self.flags: SharedFlags | None = None
         """Its params' agreed presence flags in this iteration, once shared (``GradPresence``)."""
-        self._grad_codec = _grad_codec(comm.grad_compression, plan)
+        self._grad_codec = grad_codec(comm.grad_compression, plan)
         """How its grads travel when compressed (Note [Compressed wire] in ``compression``)."""
         self._param_codec = None
         if comm.param_compression is not None:
@@ -479,10 +479,10 @@ def republish_exactly(buckets: list[Bucket], comm: CommContext) -> None:
         collectives.all_gather(bucket.param_buffer, shard.param_view, comm.group, async_op=False)
 
 
-def _grad_codec(grad_compression: str | None, plan: BucketPlan) -> compression.Codec | None:
+def grad_codec(grad_compression: str | None, plan: BucketPlan) -> compression.Codec | None:
     """The codec its grads travel in, or None for the exact path: also for ``"bf16"`` when
     its grads are 16-bit already, which the exact path sends as they are (Note [Compressed
-    wire] in ``compression``)."""
+    wire] in ``compression``). The planner predicts the bytes on the wire with it too."""
     if grad_compression is None or (grad_compression == "bf16" and plan.dtype.itemsize <= 2):
         return None
     return compression.make_codec(grad_compression, plan.shard_numel)
