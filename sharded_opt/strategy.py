@@ -122,7 +122,7 @@ class Strategy:
             )
 
 
-_COMPRESSION_CHOICES: dict[str, tuple[str | None, ...]] = {
+COMPRESSION_CHOICES: dict[str, tuple[str | None, ...]] = {
     "grad_compression": (None, "bf16", "int8"),
     "param_compression": (None, "int8"),
 }
@@ -162,9 +162,9 @@ def _check_field(name: str, value: Any) -> None:
                 f"Strategy.sharding.collective_entry_timeout_s expects None or a finite number of "
                 f"seconds > 0 but got {value!r}"
             )
-    elif name in _COMPRESSION_CHOICES:
-        if value not in _COMPRESSION_CHOICES[name]:
-            accepted = ", ".join(repr(choice) for choice in _COMPRESSION_CHOICES[name])
+    elif name in COMPRESSION_CHOICES:
+        if value not in COMPRESSION_CHOICES[name]:
+            accepted = ", ".join(repr(choice) for choice in COMPRESSION_CHOICES[name])
             raise ValueError(f"Strategy.sharding.{name} expects one of {accepted} but got {value!r}")
     elif name in ("reduce_dtype", "master_dtype"):
         if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):

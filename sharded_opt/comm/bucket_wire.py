@@ -32,7 +32,7 @@ class BucketWire:
 
     def __init__(self, comm: CommContext, shard_numel: int, dtype: torch.dtype) -> None:
         self._comm = comm
-        self._grad_codec = _grad_codec(comm.grad_compression, shard_numel, dtype)
+        self._grad_codec = grad_codec(comm.grad_compression, shard_numel, dtype)
         self._param_codec = None
         if comm.param_compression is not None:
             self._param_codec = compression.make_codec(comm.param_compression, shard_numel)
@@ -123,7 +123,7 @@ class BucketWire:
         return compression.all_gather_deltas(param_buffer, sent, codec, comm.group, comm.point_to_point)
 
 
-def _grad_codec(
+def grad_codec(
     grad_compression: str | None, shard_numel: int, dtype: torch.dtype
 ) -> compression.Codec | None:
     """The codec the grads travel in, or None for the exact path: also for ``"bf16"`` over

@@ -12,7 +12,7 @@ from sharded_opt.plan.calibrate import CalibrationInputs, calibrate
 from sharded_opt.plan.config import Cluster, ComputeTimes, LinkModel
 from sharded_opt.plan.model import load_factory, resolve_optimizer
 from sharded_opt.plan.planner import format_plan, plan_training
-from sharded_opt.strategy import ShardingConfig
+from sharded_opt.strategy import COMPRESSION_CHOICES, ShardingConfig
 
 BACKWARD_PER_FORWARD = 2.0
 """How ``--compute-ms`` splits into forward and backward: backward computes two matmuls (grads of
@@ -33,6 +33,11 @@ def _link(text: str) -> LinkModel:
         raise argparse.ArgumentTypeError(str(error)) from error
 
 
+def _compressions(setting: str) -> list[str]:
+    """The values of a ``ShardingConfig`` compression setting that compress."""
+    return [choice for choice in COMPRESSION_CHOICES[setting] if choice is not None]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m sharded_opt.plan", description=__doc__)
     parser.add_argument("--model", default="default",
@@ -43,6 +48,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ranks-per-node", type=int, default=None, help="default: all ranks on one node")
     parser.add_argument("--master-dtype", choices=("float32", "float64"), default=None,
                         help="ShardingConfig.master_dtype (fp32 masters of 16-bit params)")  # fmt: skip
+    parser.add_argument("--grad-compression", choices=_compressions("grad_compression"), default=None,
+                        help="ShardingConfig.grad_compression: also plan the sharded modes with their "
+                             "grads sent compressed, beside exact")  # fmt: skip
+    parser.add_argument("--param-compression", choices=_compressions("param_compression"), default=None,
+                        help="ShardingConfig.param_compression: also plan the sharded modes with their "
+                             "updated params sent as compressed deltas, beside exact")  # fmt: skip
     parser.add_argument("--calibrate", action="store_true",
                         help="measure compute and the link between two local ranks (seconds)")  # fmt: skip
     parser.add_argument("--compute-ms", type=float, default=None, help="forward + backward of one rank")
@@ -101,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
             cluster=cluster,
             compute=compute,
             optimizer_kwargs=args.optimizer_kwargs,
-            sharding=ShardingConfig(master_dtype=master),
+            sharding=ShardingConfig(
+                master_dtype=master,
+                grad_compression=args.grad_compression,
+                param_compression=args.param_compression,
+            ),
         )
     except ValueError as error:
         print(f"python -m sharded_opt.plan: error: {error}", file=sys.stderr)

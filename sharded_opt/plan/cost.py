@@ -7,7 +7,9 @@ direct exchange (an all-to-all plus a local sum on gloo, Note [Reduce-scatter on
 replicas) is a ring, ``2 (g - 1)`` rounds and twice those bytes. A group inside one node runs on
 the node's link. A group across nodes sends the part of its bytes addressed to other nodes over
 the node's one link, which all ranks of the node use at once (every collective here is issued
-by every rank), so the node's link carries ``ranks_per_node`` ranks' share of it.
+by every rank), so the node's link carries ``ranks_per_node`` ranks' share of it. A compressed
+collective (Note [Compressed wire] in ``sharded_opt/comm/compression.py``) takes the rounds of the
+one it replaces or of an all-gather and sends its codec's rows (``wire``, :func:`sent_s`).
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ def rounds(kind: Collective, group_size: int) -> int:
     return 2 * (group_size - 1) if kind == "all_reduce" else group_size - 1
 
 
-def wire_bytes(kind: Collective, nbytes: int, group_size: int) -> float:
-    """Bytes one rank sends for a collective over an ``nbytes`` tensor (the whole bucket)."""
-    share = (group_size - 1) / group_size
-    return 2 * share * nbytes if kind == "all_reduce" else share * nbytes
+def wire_bytes(kind: Collective, nbytes: int, group_size: int) -> int:
+    """Bytes one rank sends for a collective over an ``nbytes`` tensor (the whole bucket), rounded
+    down as ``ShardingStage1.wire_bytes()`` counts them."""
+    share = nbytes * (group_size - 1) // group_size
+    return 2 * share if kind == "all_reduce" else share
 
 
 def collective_s(
@@ -51,9 +54,14 @@ def collective_s(
 ) -> float:
     """Seconds one collective over ``nbytes`` takes on its link, ``alone`` or with others in
     flight (see ``LinkModel``)."""
+    return sent_s(kind, wire_bytes(kind, nbytes, group.size), group, cluster, alone=alone)
+
+
+def sent_s(kind: Collective, sent: int, group: GroupPlacement, cluster: Cluster, *, alone: bool) -> float:
+    """Seconds one collective takes in which each rank sends ``sent`` bytes (a compressed one
+    sends its codec's rows, ``sharded_opt/plan/wire.py``); see :func:`collective_s`."""
     if group.size == 1:
         return 0.0
-    sent = wire_bytes(kind, nbytes, group.size)
     if group.members_per_node == group.size or cluster.link is None:
         cost = _costs(cluster.node_link, alone).cost(kind)
         return cost.alpha_s * rounds(kind, group.size) + cost.beta_s_per_byte * sent

@@ -4,9 +4,13 @@ The sharded modes follow what the wrapper allocates (``ShardingStage1.memory_byt
 same keys, and tests/plan/test_plan.py checks they agree exactly): every bucket's flat param buffer,
 a grad buffer for each bucket that takes part (Note [Buckets that take part]), per bucket a
 persistent averaged grad of the shard in the reduce dtype, a grad in the master dtype when the
-optimizer steps a master copy of another dtype, the master copy, the optimizer's state for the
-rank's pieces (padding has none, Note [Per-param pieces]); no staging pool (Note [Bounded
-staging]): on CPU gloo, which the planner models, 16-bit grads are widened on receipt. DDP
+optimizer steps a master copy of another dtype, the master copy (with ``param_compression`` one
+even in the params' own dtype, and the shard's params as last published, Note [Compressed wire]
+in ``sharded_opt/comm/compression.py``), the optimizer's state for the rank's pieces (padding
+has none, Note [Per-param pieces]); no staging pool (Note [Bounded staging]): on CPU gloo,
+which the planner models, 16-bit grads are widened on receipt. Nor the compressed collectives'
+rows of codes, which live while a bucket's collective is in flight, as the receive buffers of
+the exact ones do (``memory_bytes()`` counts neither). DDP
 holds the params and grads unpadded, the optimizer's state for every param, and its reducer's
 flat bucket buffers (one copy of the grads; torch's default ``gradient_as_bucket_view=False``).
 """
@@ -41,6 +45,8 @@ class MemoryBytes:
     """DDP's flat buckets the grads are copied into for the all-reduce."""
     padding: int = 0
     """Of ``params`` and ``grads``: bytes of padding in the flat buffers."""
+    published: int = 0
+    """With ``param_compression``: the local shard's params as this rank last sent them."""
 
     @property
     def total(self) -> int:
@@ -48,7 +54,7 @@ class MemoryBytes:
 
     def as_report(self) -> dict[str, int]:
         """In the form of ``ShardingStage1.memory_bytes()``."""
-        keys = ("params", "grads", "reduced_grads", "master", "optimizer_state", "staging")
+        keys = ("params", "grads", "reduced_grads", "master", "published", "optimizer_state", "staging")
         return {key: getattr(self, key) for key in keys}
 
 
@@ -66,7 +72,8 @@ def sharded_memory(
         plan: the layout, as ``plan_layout`` makes it for the wrapper: for the shard group's
             size, which is 1 on one rank (nothing is reduced then; the grads are stepped in
             place).
-        precisions: each bucket's dtypes (``resolve_precision``).
+        precisions: each bucket's dtypes (``resolve_precision``; with ``delta_params`` the
+            shards keep a master and a published copy).
         state_bytes: optimizer state bytes per stepped element.
         rank: the rank's index in its shard group.
         materialize_all: the optimizer creates state at construction (Adagrad), so every bucket,
@@ -79,7 +86,7 @@ def sharded_memory(
     # A bucket that stages its grads also leaves autograd's own grad tensors in place (Note
     # [Staged grads] in ``fusion.layout``).
     grads += sum(_nbytes(b.used_numel, b.dtype) for b in live if b.staged_grads)
-    reduced = master = state = 0
+    reduced = master = published = state = 0
     for bucket in live:
         precision = precisions[bucket.index]
         stepped_numel = bucket.shard_numel if sharded else bucket.padded_numel
@@ -91,6 +98,8 @@ def sharded_memory(
             reduced += _nbytes(stepped_numel, precision.master_dtype)  # the stepped grad
         if precision.has_master:
             master += _nbytes(stepped_numel, precision.master_dtype)
+        if precision.delta_params:
+            published += _nbytes(stepped_numel, bucket.dtype)
         per_element = state_bytes[(bucket.group_index, precision.master_dtype)]
         state += per_element * _stepped_elements(bucket, rank, sharded)
     used = sum(_nbytes(b.used_numel, b.dtype) for b in plan.buckets)
@@ -98,7 +107,7 @@ def sharded_memory(
     padding = (params - used) + (grads - used_live)
     # No staging: the planner models CPU tensors on gloo, whose reduce-scatter widens 16-bit grads
     # on receipt (Note [Widening on receipt] in ``collectives``).
-    return MemoryBytes(params, grads, reduced, master, state, staging=0, padding=padding)
+    return MemoryBytes(params, grads, reduced, master, state, staging=0, padding=padding, published=published)
 
 
 def _stepped_elements(bucket: BucketPlan, rank: int, sharded: bool) -> int:

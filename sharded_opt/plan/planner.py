@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -12,8 +13,8 @@ from torch import nn
 
 from fusion.bucket_sizing import trainable_bytes
 from fusion.layout import BucketPlan, LayoutPlan, ParamSpec, plan_layout
-from sharded_opt.plan.config import Cluster, Collective, ComputeTimes
-from sharded_opt.plan.cost import GroupPlacement, collective_s, crosses_nodes
+from sharded_opt.plan.config import Cluster, ComputeTimes
+from sharded_opt.plan.cost import GroupPlacement, collective_s, crosses_nodes, sent_s, wire_bytes
 from sharded_opt.plan.memory import MemoryBytes, StateBytes, ddp_memory, sharded_memory
 from sharded_opt.plan.model import (
     load_factory,
@@ -31,6 +32,7 @@ from sharded_opt.plan.schedule import (
     comm_only_s,
     simulate,
 )
+from sharded_opt.plan.wire import Payload, StepWire, bucket_wire
 from sharded_opt.step.local_shard import BucketPrecision, resolve_precision
 from sharded_opt.strategy import ShardingConfig
 
@@ -71,6 +73,12 @@ class ModePlan:
     """Every collective of one step with nothing hidden: all reductions issued at once, then
     all all-gathers."""
     timeline: Timeline
+    wire: StepWire = StepWire()
+    """Bytes one rank sends in one step (``ShardingStage1.wire_bytes()``'s difference over a step;
+    for DDP its all-reduces)."""
+    grad_compression: str | None = None
+    param_compression: str | None = None
+    """``ShardingConfig``'s settings of these names the mode was planned with (None: exact)."""
 
     @property
     def memory(self) -> MemoryBytes:
@@ -78,8 +86,15 @@ class ModePlan:
         return max(self.memory_per_rank, key=lambda m: m.total)
 
     @property
+    def compressed(self) -> bool:
+        return self.grad_compression is not None or self.param_compression is not None
+
+    @property
     def label(self) -> str:
-        return f"hybrid {self.degree}" if self.mode == "hybrid" else self.mode
+        label = f"hybrid {self.degree}" if self.mode == "hybrid" else self.mode
+        if self.compressed:
+            label += f" [{self.grad_compression or 'exact'}/{self.param_compression or 'exact'}]"
+        return label
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +102,16 @@ class TrainingPlan:
     """Every mode's plan, the pick and why."""
 
     modes: tuple[ModePlan, ...]
-    """Each mode at its best bucket size."""
+    """Each mode at its best bucket size; with compression each sharded mode exact, then
+    compressed."""
     bucket_sweep: tuple[ModePlan, ...]
     """``overlap`` at every size of :data:`BUCKET_SWEEP_MB`."""
     recommended: ModePlan
     reason: str
     num_params: int
     world_size: int
+    compressed_sweep: tuple[ModePlan, ...] = ()
+    """Compressed ``overlap`` at every size of :data:`BUCKET_SWEEP_MB`; empty without compression."""
 
 
 def plan_training(
@@ -122,7 +140,10 @@ def plan_training(
         sharding: the wrapper's settings (``reduce_dtype``, ``master_dtype``, ``align_bytes``,
             and ``bucket_size_mb`` for sync; the overlapping modes get the best size of
             :data:`BUCKET_SWEEP_MB`); None: ``ShardingConfig()``. ``degree`` and
-            ``enable_overlap`` are what the modes vary, so they are ignored.
+            ``enable_overlap`` are what the modes vary, so they are ignored. With
+            ``grad_compression`` or ``param_compression`` every sharded mode is planned twice,
+            exact and compressed (Note [Compressed wire] in ``sharded_opt/comm/compression.py``),
+            and the pick is made among both; DDP is exact.
         steps_per_sync: predict the step time of blocks of this many steps that each end in
             ``sync_params()`` (which waits for the last all-gathers, as ``benchmarks.compare``
             times its blocks); None: a long run's steady step.
@@ -149,19 +170,31 @@ def plan_training(
     inputs = _Inputs(
         specs, meta_optimizer, state_bytes, at_construction, cluster, compute, sharding, steps_per_sync
     )
-    sweep = tuple(_sharded_mode(inputs, "overlap", cluster.world_size, size) for size in BUCKET_SWEEP_MB)
-    best_size = _bucket_size(sweep)
-    modes = [
-        _ddp_mode(inputs),
-        _sharded_mode(inputs, "sync", cluster.world_size, sharding.bucket_size_mb),
-        _sharded_mode(inputs, "overlap", cluster.world_size, best_size),
-    ]
-    for degree in range(2, cluster.world_size):
-        if cluster.world_size % degree == 0:
-            modes.append(_sharded_mode(inputs, "hybrid", degree, best_size))
+    exact = replace(sharding, grad_compression=None, param_compression=None)
+    exact_modes, sweep = _sharded_modes(replace(inputs, sharding=exact))
+    compressed, compressed_sweep = _sharded_modes(inputs) if sharding != exact else ([], ())
+    pairs = itertools.zip_longest(exact_modes, compressed)  # each mode exact, then compressed
+    modes = [_ddp_mode(inputs), *(m for pair in pairs for m in pair if m is not None)]
     recommended, reason = recommend(modes)
     num_params = sum(spec.numel for spec in specs if spec.requires_grad)
-    return TrainingPlan(tuple(modes), sweep, recommended, reason, num_params, cluster.world_size)
+    return TrainingPlan(
+        tuple(modes), sweep, recommended, reason, num_params, cluster.world_size, compressed_sweep
+    )
+
+
+def _sharded_modes(inputs: _Inputs) -> tuple[list[ModePlan], tuple[ModePlan, ...]]:
+    """sync, overlap and each hybrid degree with ``inputs.sharding``; overlap's bucket sweep."""
+    world_size = inputs.cluster.world_size
+    sweep = tuple(_sharded_mode(inputs, "overlap", world_size, size) for size in BUCKET_SWEEP_MB)
+    best_size = _bucket_size(sweep)
+    modes = [
+        _sharded_mode(inputs, "sync", world_size, inputs.sharding.bucket_size_mb),
+        _sharded_mode(inputs, "overlap", world_size, best_size),
+    ]
+    for degree in range(2, world_size):
+        if world_size % degree == 0:
+            modes.append(_sharded_mode(inputs, "hybrid", degree, best_size))
+    return modes, sweep
 
 
 def _bucket_size(sweep: Sequence[ModePlan]) -> float | None:
@@ -209,8 +242,11 @@ class _Inputs:
         return timeline.block_step_s(), timeline
 
 
-def _precision(dtype: torch.dtype, sharding: ShardingConfig) -> BucketPrecision:
-    return resolve_precision(dtype, sharding.reduce_dtype, sharding.master_dtype)
+def _precision(dtype: torch.dtype, sharding: ShardingConfig, shard_size: int = 1) -> BucketPrecision:
+    """As the wrapper resolves it: params travel as deltas with ``param_compression`` over a
+    sharded group (``wrapper_init.shares_param_deltas``)."""
+    deltas = sharding.param_compression is not None and shard_size > 1
+    return resolve_precision(dtype, sharding.reduce_dtype, sharding.master_dtype, delta_params=deltas)
 
 
 def layout_for(specs: list[ParamSpec], shard_size: int, sharding: ShardingConfig) -> LayoutPlan:
@@ -230,7 +266,7 @@ def _sharded_mode(inputs: _Inputs, mode: str, degree: int, bucket_size_mb: float
     cluster = inputs.cluster
     sharding = replace(inputs.sharding, bucket_size_mb=bucket_size_mb)
     plan = layout_for(inputs.specs, degree, sharding)
-    precisions = [_precision(bucket.dtype, sharding) for bucket in plan.buckets]
+    precisions = [_precision(bucket.dtype, sharding, degree) for bucket in plan.buckets]
     memory = tuple(
         sharded_memory(plan, precisions, inputs.state_bytes, rank, materialize_all=inputs.at_construction)
         for rank in range(degree)
@@ -240,20 +276,21 @@ def _sharded_mode(inputs: _Inputs, mode: str, degree: int, bucket_size_mb: float
     trainable = [b for b in plan.buckets if b.requires_grad]
     total_numel = sum(b.used_numel for b in trainable)
     busiest = max(range(degree), key=lambda r: sum(_stepped(b, r) for b in trainable))
-    buckets = []
+    buckets, wires = [], []
     for bucket, precision in zip(plan.buckets, precisions, strict=True):
         if not bucket.requires_grad:
             continue
-        reduce_bytes = bucket.padded_numel * precision.reduce_dtype.itemsize
+        wire = bucket_wire(
+            bucket, precision, degree, replicas.size, sharding.grad_compression, sharding.param_compression
+        )
+        wires.append(wire)
         buckets.append(
             BucketCosts(
                 compute_share=bucket.used_numel / total_numel,
                 step_share=_stepped(bucket, busiest) / total_numel,
-                reduce=_transfer("reduce_scatter", reduce_bytes, shard, cluster),
-                replica=_transfer("all_reduce", reduce_bytes // degree, replicas, cluster)
-                if replicas.size > 1
-                else NO_TRANSFER,
-                gather=_transfer("all_gather", _nbytes(bucket), shard, cluster),
+                reduce=_transfer(wire.grads, shard, cluster),
+                replica=_transfer(wire.replicas, replicas, cluster) if replicas.size > 1 else NO_TRANSFER,
+                gather=_transfer(wire.params, shard, cluster),
                 at_step=bucket.staged_grads,
             )
         )
@@ -262,11 +299,19 @@ def _sharded_mode(inputs: _Inputs, mode: str, degree: int, bucket_size_mb: float
     costs = StepCosts(tuple(buckets), inputs.compute, inputs.compute.wrapper_step_s, flags_s)
     step_s, timeline = inputs.simulate(costs, "sync" if mode == "sync" else "overlap")
     comm_s = comm_only_s(tuple(buckets))
-    return ModePlan(mode, degree, bucket_size_mb, len(plan.buckets), memory, step_s, comm_s, timeline)
-
-
-def _nbytes(bucket: BucketPlan) -> int:
-    return bucket.padded_numel * bucket.dtype.itemsize
+    return ModePlan(
+        mode,
+        degree,
+        bucket_size_mb,
+        len(plan.buckets),
+        memory,
+        step_s,
+        comm_s,
+        timeline,
+        StepWire.of(wires),
+        sharding.grad_compression,
+        sharding.param_compression,
+    )
 
 
 def _stepped(bucket: BucketPlan, rank: int) -> int:
@@ -284,70 +329,102 @@ def _ddp_mode(inputs: _Inputs) -> ModePlan:
     )
     total_numel = sum(p.numel() for p in params)
     world = GroupPlacement.consecutive(cluster.world_size, cluster)
-    buckets = []
+    buckets, sent = [], 0
     for indices in assignment:
         members = [grads_in_backward_order[i] for i in indices]
         nbytes = sum(p.numel() * p.element_size() for p in members)
         numel = sum(p.numel() for p in members)
+        payload = Payload("all_reduce", wire_bytes("all_reduce", nbytes, world.size))
+        sent += payload.sent
         buckets.append(
             BucketCosts(
                 compute_share=numel / total_numel,
                 step_share=numel / total_numel,
-                reduce=_transfer("all_reduce", nbytes, world, cluster),
+                reduce=_transfer(payload, world, cluster),
             )
         )
     costs = StepCosts(tuple(buckets), inputs.compute, inputs.compute.step_s)
     step_s, timeline = inputs.simulate(costs, "ddp")
     memory = (ddp_memory(inputs.specs, inputs.state_bytes),)
     comm_s = comm_only_s(tuple(buckets))
-    return ModePlan("ddp", None, DDP_BUCKET_CAP_MB, len(buckets), memory, step_s, comm_s, timeline)
+    wire = StepWire(grads=sent)
+    return ModePlan("ddp", None, DDP_BUCKET_CAP_MB, len(buckets), memory, step_s, comm_s, timeline, wire)
 
 
-def _transfer(kind: Collective, nbytes: int, group: GroupPlacement, cluster: Cluster) -> Transfer:
+def _transfer(payload: Payload, group: GroupPlacement, cluster: Cluster) -> Transfer:
     return Transfer(
         LINK if crosses_nodes(group, cluster) else NODE_LINK,
-        collective_s(kind, nbytes, group, cluster, alone=True),
-        collective_s(kind, nbytes, group, cluster, alone=False),
+        sent_s(payload.kind, payload.sent, group, cluster, alone=True),
+        sent_s(payload.kind, payload.sent, group, cluster, alone=False),
     )
 
 
 def format_plan(plan: TrainingPlan) -> str:
-    """The plan as the CLI prints it: a table of bytes per rank and step times, then the pick."""
+    """The plan as the CLI prints it: a table of bytes per rank, bytes sent per step and step
+    times, compressed modes against exact ones where planned, then the pick."""
     mib = 2**20
+    publishes = any(m.memory.published for m in plan.modes)
+    width = max(10, *(len(m.label) for m in plan.modes))
     header = (
-        f"{'mode':10} {'buckets':>7} {'bucket MiB':>10} {'params':>8} {'grads':>8} {'red.grad':>8} "
-        f"{'master':>8} {'opt st.':>8} {'comm buf':>8} {'total':>8} {'(pad)':>7} "
-        f"{'step ms':>8} {'comm ms':>8}"
+        f"{'mode':{width}} {'buckets':>7} {'bucket MiB':>10} {'params':>8} {'grads':>8} {'red.grad':>8} "
+        f"{'master':>8} " + (f"{'publ.':>8} " if publishes else "") + f"{'opt st.':>8} {'comm buf':>8} "
+        f"{'total':>8} {'(pad)':>7} {'sent MiB':>8} {'step ms':>8} {'comm ms':>8}"
     )
     lines = [
-        f"{plan.num_params / 1e6:.2f}M trainable params, {plan.world_size} rank(s); bytes per rank in MiB",
+        f"{plan.num_params / 1e6:.2f}M trainable params, {plan.world_size} rank(s); bytes per rank in MiB, "
+        "sent: per step",
         header,
     ]
     for m in plan.modes:
         memory = m.memory
-        size = "auto" if m.bucket_size_mb is None else f"{m.bucket_size_mb:g}"
         cells = (
             memory.params,
             memory.grads,
             memory.reduced_grads,
             memory.master,
+            *((memory.published,) if publishes else ()),
             memory.optimizer_state,
             memory.staging + memory.ddp_buckets,
             memory.total,
         )
+        times = f"{m.step_s * 1e3:8.1f} {m.comm_s * 1e3:8.1f}"
         lines.append(
-            f"{m.label:10} {m.num_buckets:>7} {size:>10} "
+            f"{m.label:{width}} {m.num_buckets:>7} {_size(m.bucket_size_mb):>10} "
             + " ".join(f"{c / mib:8.2f}" for c in cells)
-            + f" {memory.padding / mib:7.3f} {m.step_s * 1e3:8.1f} {m.comm_s * 1e3:8.1f}"
+            + f" {memory.padding / mib:7.3f} {m.wire.total / mib:8.2f} {times}"
         )
-    sweep = ", ".join(
-        f"{'auto' if m.bucket_size_mb is None else f'{m.bucket_size_mb:g}'}: {m.step_s * 1e3:.1f}"
-        for m in plan.bucket_sweep
-    )
+    for sweep in (plan.bucket_sweep, plan.compressed_sweep):
+        if sweep:
+            times = ", ".join(f"{_size(m.bucket_size_mb)}: {m.step_s * 1e3:.1f}" for m in sweep)
+            lines.append(f"{sweep[0].label} step ms by bucket MiB: {times}")
+    lines += _compression_gains(plan.modes)
     pick = plan.recommended
     size = "the default sizes" if pick.bucket_size_mb is None else f"bucket_size_mb={pick.bucket_size_mb:g}"
-    lines += [
-        f"overlap step ms by bucket MiB: {sweep}",
-        f"recommended: {pick.label}" + ("" if pick.mode == "ddp" else f" with {size}") + f": {plan.reason}",
-    ]
+    lines.append(
+        f"recommended: {pick.label}" + ("" if pick.mode == "ddp" else f" with {size}") + f": {plan.reason}"
+    )
     return "\n".join(lines)
+
+
+def _size(bucket_size_mb: float | None) -> str:
+    return "auto" if bucket_size_mb is None else f"{bucket_size_mb:g}"
+
+
+def _compression_gains(modes: Sequence[ModePlan]) -> list[str]:
+    """Each compressed mode against the same mode exact: bytes sent, step time, bytes held."""
+    exact = {(m.mode, m.degree): m for m in modes if not m.compressed}
+    compressed = [m for m in modes if m.compressed]
+    if not compressed:
+        return []
+    mib = 2**20
+    lines = ["compressed [grads/params] against exact, per rank (encoding and decoding not modelled):"]
+    for m in compressed:
+        base = exact[(m.mode, m.degree)]
+        ratio = f"{m.wire.total / base.wire.total:.2f}x" if base.wire.total else "nothing, as exact"
+        lines.append(
+            f"  {m.label}: sends {ratio} "
+            f"({base.wire.total / mib:.2f} -> {m.wire.total / mib:.2f} MiB per step), "
+            f"step {base.step_s * 1e3:.1f} -> {m.step_s * 1e3:.1f} ms, "
+            f"holds {(m.memory.total - base.memory.total) / mib:+.2f} MiB"
+        )
+    return lines

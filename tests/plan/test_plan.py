@@ -1,5 +1,6 @@
-"""The planner (``sharded_opt.plan``): its bytes against the wrapper's own ``memory_bytes()`` on
-spawned gloo ranks, its cost model on stated numbers, its command line and its errors."""
+"""The planner (``sharded_opt.plan``): its bytes held and sent against the wrapper's own
+``memory_bytes()`` and ``wire_bytes()`` on spawned gloo ranks, exact and compressed, its cost model
+on stated numbers, its command line and its errors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ import torch
 from torch import nn
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
-from sharded_opt.plan import AlphaBeta, Cluster, ComputeTimes, LinkModel, plan_training
+from sharded_opt.plan import (
+    AlphaBeta,
+    Cluster,
+    ComputeTimes,
+    LinkModel,
+    ModePlan,
+    TrainingPlan,
+    format_plan,
+    plan_training,
+)
 from sharded_opt.plan.__main__ import main
 from sharded_opt.plan.schedule import BucketCosts, StepCosts, Transfer, simulate
 from tests.harness.dist_helper import run_ranks
@@ -55,36 +65,80 @@ class Case:
     kwargs: dict
     master_dtype: torch.dtype | None = None
     degree: int | None = None
+    grad_compression: str | None = None
+    param_compression: str | None = None
 
     def sharding(self) -> ShardingConfig:
-        return ShardingConfig(master_dtype=self.master_dtype, degree=self.degree)
+        return ShardingConfig(
+            master_dtype=self.master_dtype,
+            degree=self.degree,
+            grad_compression=self.grad_compression,
+            param_compression=self.param_compression,
+        )
+
+    def planned(self, plan: TrainingPlan) -> ModePlan:
+        """The mode of ``plan`` the wrapper of this case runs."""
+        mode = "hybrid" if self.degree else "sync"
+        return next(
+            m
+            for m in plan.modes
+            if m.mode == mode
+            and (m.grad_compression, m.param_compression) == (self.grad_compression, self.param_compression)
+        )
+
+
+INT8 = {"grad_compression": "int8", "param_compression": "int8"}
 
 
 CASES = {
-    1: [Case("partly_frozen_net", "SGD", {"momentum": 0.9}), Case("bf16_net", "AdamW", {}, torch.float32)],
+    1: [
+        Case("partly_frozen_net", "SGD", {"momentum": 0.9}),
+        Case("bf16_net", "AdamW", {}, torch.float32),
+        Case("odd_net", "AdamW", {}, **INT8),  # one rank: nothing is sent, nothing compressed
+    ],
     2: [
         Case("odd_net", "AdamW", {}),
         Case("bf16_net", "Adam", {"amsgrad": True}, torch.float32),
         Case("partly_frozen_net", "Adagrad", {}),  # state at construction: frozen buckets too
         Case("partly_frozen_net", "RMSprop", {"momentum": 0.9, "centered": True}),
+        # Note [Compressed wire]: bf16 and int8 rows of grads, int8 param deltas with an exact
+        # master (fp32 params: in their own dtype) and the published copy of the shard
+        Case("odd_net", "AdamW", {}, grad_compression="bf16"),
+        Case("odd_net", "AdamW", {}, **INT8),
+        Case("odd_net", "AdamW", {}, param_compression="int8"),
+        Case("partly_frozen_net", "Adagrad", {}, **INT8),
+        Case("bf16_net", "AdamW", {}, torch.float32, **INT8),
+        Case("bf16_net", "SGD", {}, grad_compression="bf16"),  # bf16 grads go out exact
     ],
-    3: [Case("odd_net", "AdamW", {}), Case("bf16_net", "SGD", {"momentum": 0.9})],
-    4: [Case("odd_net", "AdamW", {}, degree=2)],
+    3: [
+        Case("odd_net", "AdamW", {}),
+        Case("bf16_net", "SGD", {"momentum": 0.9}),
+        Case("odd_net", "AdamW", {}, **INT8),
+    ],
+    4: [
+        Case("odd_net", "AdamW", {}, degree=2),
+        Case("odd_net", "AdamW", {}, degree=2, **INT8),  # the replicas' average as int8 rows
+        Case("odd_net", "AdamW", {}, degree=2, grad_compression="bf16"),
+    ],
 }
 
 
-def _wrapped_memory(cases: list[Case]) -> list[dict[str, int]]:
-    """Each case's ``memory_bytes()`` on this rank after one training step."""
+def _wrapped_bytes(cases: list[Case]) -> list[tuple[dict[str, int], dict[str, int]]]:
+    """Each case's ``memory_bytes()`` on this rank after one training step, and the bytes
+    ``wire_bytes()`` counted over that step."""
     reports = []
     for case in cases:
         torch.manual_seed(0)
         model = globals()[case.factory]()
         optimizer = getattr(torch.optim, case.optimizer)(model.parameters(), **case.kwargs)
         wrapper = ShardingStage1(optimizer, strategy=Strategy(sharding=case.sharding()), model=model)
+        before = wrapper.wire_bytes()
         dtype = next(model.parameters()).dtype
         model(torch.randn(4, 37, dtype=dtype)).float().square().mean().backward()
         wrapper.step()
-        reports.append(wrapper.memory_bytes())
+        wrapper.sync_params()
+        sent = {key: count - before[key] for key, count in wrapper.wire_bytes().items()}
+        reports.append((wrapper.memory_bytes(), sent))
         wrapper.close()
     return reports
 
@@ -92,7 +146,7 @@ def _wrapped_memory(cases: list[Case]) -> list[dict[str, int]]:
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_bytes_equal_the_wrappers_report(world_size: int) -> None:
     cases = CASES[world_size]
-    per_rank = run_ranks(_wrapped_memory, world_size, cases)
+    per_rank = run_ranks(_wrapped_bytes, world_size, cases)
     for index, case in enumerate(cases):
         cluster = Cluster(world_size=world_size, ranks_per_node=world_size, node_link=FAST_LINK)
         plan = plan_training(
@@ -103,11 +157,12 @@ def test_bytes_equal_the_wrappers_report(world_size: int) -> None:
             optimizer_kwargs=case.kwargs,
             sharding=case.sharding(),
         )
-        mode = next(m for m in plan.modes if m.mode == ("hybrid" if case.degree else "sync"))
+        mode = case.planned(plan)
         shard_size = case.degree or world_size
         for rank, reports in enumerate(per_rank):
-            expected = mode.memory_per_rank[rank % shard_size].as_report()
-            assert reports[index] == expected, (case, rank)
+            memory, sent = reports[index]
+            assert memory == mode.memory_per_rank[rank % shard_size].as_report(), (case, rank)
+            assert sent == mode.wire.as_report(), (case, rank)
 
 
 def _step_ms(gbps: float, mode: str, world_size: int = 2) -> float:
@@ -187,6 +242,30 @@ def test_link_between_nodes_carries_hybrid_replicas_only() -> None:
     assert hybrid_state == pytest.approx(2 * full_state, rel=0.01)
 
 
+def test_compressed_modes_beside_exact() -> None:
+    # Note [Compressed wire]: int8 rows are a byte per element and an fp32 scale per block, about
+    # a quarter of fp32's bytes; on a slow link the step follows the bytes. The exact master of
+    # fp32 params and the published copy of the shard each hold params / N.
+    cluster = Cluster(world_size=2, ranks_per_node=2, node_link=LinkModel.stated(0.01, 20))
+    sharding = ShardingConfig(grad_compression="int8", param_compression="int8")
+    plan = plan_training(
+        "tests.plan.test_plan:odd_net", "AdamW", cluster=cluster, compute=COMPUTE, sharding=sharding
+    )
+    by_label = {m.label: m for m in plan.modes}
+    assert list(by_label) == ["ddp", "sync", "sync [int8/int8]", "overlap", "overlap [int8/int8]"]
+    assert plan.compressed_sweep and all(m.label == "overlap [int8/int8]" for m in plan.compressed_sweep)
+    for mode in ("sync", "overlap"):
+        exact, int8 = by_label[mode], by_label[f"{mode} [int8/int8]"]
+        assert 0.25 < int8.wire.total / exact.wire.total < 0.26
+        assert int8.step_s < exact.step_s
+        assert exact.memory.master == exact.memory.published == 0
+        assert int8.memory.master == int8.memory.published == int8.memory.params // 2
+    assert "sync [int8/int8]: sends 0.25x" in format_plan(plan)
+    exact_only = plan_training("tests.plan.test_plan:odd_net", "AdamW", cluster=cluster, compute=COMPUTE)
+    assert not any(m.compressed for m in exact_only.modes) and exact_only.compressed_sweep == ()
+    assert "[" not in format_plan(exact_only) and "publ." not in format_plan(exact_only)
+
+
 def test_recommends_the_fastest_unless_a_leaner_mode_ties() -> None:
     cluster = Cluster(world_size=2, ranks_per_node=2, node_link=LinkModel.stated(0.05, 20))
     plan = plan_training("tests.plan.test_plan:odd_net", "AdamW", cluster=cluster, compute=COMPUTE)
@@ -203,6 +282,20 @@ def test_cli_with_stated_numbers(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for label in ("ddp", "sync", "overlap", "hybrid 2", "recommended:"):
         assert label in out
+
+
+def test_cli_plans_compressed_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "tiny", "--world-size", "4", "--compute-ms", "300", "--node-link", "1,20"]
+    assert main([*argv, "--grad-compression", "int8", "--param-compression", "int8"]) == 0
+    out = capsys.readouterr().out
+    for label in ("sync [int8/int8]", "overlap [int8/int8]", "hybrid 2 [int8/int8]", "publ.", "sent MiB"):
+        assert label in out
+    assert "compressed [grads/params] against exact" in out
+    assert main([*argv, "--grad-compression", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "overlap [bf16/exact]: sends 0." in out and "publ." not in out
+    with pytest.raises(SystemExit):
+        main([*argv, "--param-compression", "bf16"])
 
 
 def test_cli_calibrates(capsys: pytest.CaptureFixture[str]) -> None:
