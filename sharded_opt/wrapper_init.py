@@ -185,6 +185,7 @@ def plan_buckets(
         bucket_size_bytes=bucket_sizes.bucket_bytes,
         first_bucket_bytes=bucket_sizes.first_bucket_bytes,
         whole_param_cost=needs.param_cost if needs.whole_params else None,
+        block_grid=None if needs.quantized_blocks is None else needs.quantized_blocks.grid(optimizer),
     )
     deltas = shares_param_deltas(config, groups)
     precisions = [
