@@ -86,6 +86,8 @@ def build_runtime(
     check_same_layout(specs, groups.world, groups.world_size)
     plan, precisions = plan_buckets(optimizer, needs, specs, config, groups)
     shards = build_shards(optimizer, wrapper, plan, params, precisions, config, groups)
+    if needs.quantized_blocks is not None:
+        shards.shared_state_parts = needs.quantized_blocks.shared_parts
     grad_sync = GradSync(shards, config.enable_overlap)
     param_sync = ParamSync(shards.buckets, shards.comm)
     param_guard = ParamGuard(shards.buffers, param_sync)
