@@ -33,6 +33,7 @@ from sharded_opt.step.quantized_state import stored_bytes
 from tests.harness.dist_helper import run_ranks
 
 torchao_optim = pytest.importorskip("torchao.optim")
+pytestmark = pytest.mark.timeout(1800)  # torchao compiles its step per shape, see above
 
 STEPS = 10
 RESUME_AT = 6
