@@ -98,6 +98,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fusion.block_layout import BlockGrid, place_on_blocks
+
 MAX_VIEW_ALIGN_BYTES = 16
 """The widest dtype (complex128) in bytes: a param may be viewed as any dtype up to this wide,
 see Note [Alignment and padding]."""
@@ -212,6 +214,9 @@ class BucketPlan:
     staged_grads: bool = False
     """Grads stay autograd's tensors and are copied into the grad buffer before the reduction,
     see Note [Staged grads]."""
+    block_grid: BlockGrid | None = None
+    """The optimizer quantizes state on this grid; every shard boundary is an allowed cut, see
+    Note [Cuts on quantization blocks] in ``block_layout``."""
 
     @property
     def shard_numel(self) -> int:
@@ -317,6 +322,7 @@ def plan_layout(
     bucket_size_bytes: int,
     first_bucket_bytes: int | None = None,
     whole_param_cost: Callable[[tuple[int, ...]], int] | None = None,
+    block_grid: BlockGrid | None = None,
 ) -> LayoutPlan:
     """Plan the flat buckets for ``params`` given in registration order.
 
@@ -337,6 +343,9 @@ def plan_layout(
             boundaries). Otherwise every param lies whole inside one rank's shard, owners
             balanced by this work per param shape, and both bucket bounds apply per shard; see
             Note [Whole params per owner].
+        block_grid: the optimizer's quantization blocks: shard boundaries fall only on cuts that
+            keep its decisions and blocks, see Note [Cuts on quantization blocks] in
+            ``block_layout``. Not with ``whole_param_cost``.
 
     Returns:
         A frozen :class:`LayoutPlan`; see Note [Bucket order].
@@ -353,6 +362,8 @@ def plan_layout(
         raise ValueError(f"plan_layout expects bucket_size_bytes >= 1 but got {bucket_size_bytes}")
     if first_bucket_bytes < 1:
         raise ValueError(f"plan_layout expects first_bucket_bytes >= 1 or None but got {first_bucket_bytes}")
+    if whole_param_cost is not None and block_grid is not None:
+        raise ValueError("plan_layout expects whole_param_cost or block_grid, not both")
     if whole_param_cost is not None:
         bucket_size_bytes *= world_size
         first_bucket_bytes *= world_size
@@ -379,7 +390,11 @@ def plan_layout(
     slots: list[ParamSlot | None] = [None] * len(params)
     work_per_rank = [0] * world_size
     for bucket_index, open_bucket in enumerate(closed):
-        if whole_param_cost is None:
+        if block_grid is not None:
+            bucket = _build_block_bucket(
+                bucket_index, open_bucket.members, world_size, align_bytes, block_grid
+            )
+        elif whole_param_cost is None:
             bucket = _build_bucket(bucket_index, open_bucket.members, world_size, align_bytes)
         else:
             bucket = _build_owned_bucket(
@@ -413,6 +428,44 @@ def _build_bucket(
         world_size,
         first.requires_grad,
         staged_grads=_stages_grads(members, align),
+    )
+
+
+def _build_block_bucket(
+    bucket_index: int,
+    members: list[tuple[int, ParamSpec]],
+    world_size: int,
+    align_bytes: int,
+    grid: BlockGrid,
+) -> BucketPlan:
+    """A bucket whose shard boundaries fall on allowed cuts of ``grid``, see Note [Cuts on
+    quantization blocks] in ``block_layout``."""
+    first = members[0][1]
+    align = align_numel(first.dtype, align_bytes)
+    offsets, shard_numel = place_on_blocks(
+        [spec.numel for _, spec in members],
+        world_size,
+        align,
+        grid,
+        lambda cursor, numel: slot_offset(cursor, numel, align, first.dtype.itemsize),
+    )
+    slots = tuple(
+        ParamSlot(param_index, bucket_index, offset, spec.numel, spec.shape, spec.strides)
+        for (param_index, spec), offset in zip(members, offsets, strict=True)
+    )
+    used = max((slot.offset + slot.numel for slot in slots), default=0)
+    return BucketPlan(
+        bucket_index,
+        first.dtype,
+        first.device,
+        first.group_index,
+        slots,
+        used,
+        shard_numel * world_size,
+        world_size,
+        first.requires_grad,
+        staged_grads=_stages_grads(members, align),
+        block_grid=grid,
     )
 
 

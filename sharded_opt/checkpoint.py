@@ -169,6 +169,12 @@ def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ParamPiece]:
     for index, description in descriptions.items():
         for key, (kind, value) in description.items():
             name = f"state.{index}.{key}"
+            if kind == "quantized":
+                raise NotImplementedError(
+                    f"save_checkpoint: param {index}'s {key!r} is quantized state ({value.cls.__name__}), "
+                    "which DCP checkpoints do not hold yet; save opt.state_dict() with torch.save "
+                    "instead (it is the plain optimizer's own format and loads on any number of ranks)"
+                )
             if kind == "scalar":
                 if isinstance(value, Tensor) and value.dim() > 0:
                     entries[f"{_WHOLE_STATE}.{index}.{key}"] = value

@@ -86,6 +86,8 @@ def build_runtime(
     check_same_layout(specs, groups.world, groups.world_size)
     plan, precisions = plan_buckets(optimizer, needs, specs, config, groups)
     shards = build_shards(optimizer, wrapper, plan, params, precisions, config, groups)
+    if needs.quantized_blocks is not None:
+        shards.shared_state_parts = needs.quantized_blocks.shared_parts
     grad_sync = GradSync(shards, config.enable_overlap)
     param_sync = ParamSync(shards.buckets, shards.comm)
     param_guard = ParamGuard(shards.buffers, param_sync)
@@ -185,6 +187,7 @@ def plan_buckets(
         bucket_size_bytes=bucket_sizes.bucket_bytes,
         first_bucket_bytes=bucket_sizes.first_bucket_bytes,
         whole_param_cost=needs.param_cost if needs.whole_params else None,
+        block_grid=None if needs.quantized_blocks is None else needs.quantized_blocks.grid(optimizer),
     )
     deltas = shares_param_deltas(config, groups)
     precisions = [

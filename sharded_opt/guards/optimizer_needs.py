@@ -20,6 +20,8 @@ from types import MappingProxyType
 
 import torch
 
+from fusion.block_layout import BlockGrid
+
 NEEDS_ATTRIBUTE = "sharded_opt_needs"
 """The class attribute through which an optimizer class declares its :class:`OptimizerNeeds`."""
 
@@ -36,6 +38,27 @@ def newton_schulz_cost(shape: tuple[int, ...]) -> int:
         return math.prod(shape)
     rows, cols = shape[0], math.prod(shape[1:])
     return rows * cols * min(rows, cols)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuantizedBlocks:
+    """How a class quantizes its state: per state tensor, codes and one scale per block of
+    ``block_size`` elements counted from the tensor's start, for tensors of at least
+    ``min_numel`` elements holding whole blocks (plain state otherwise). The wrapper then cuts
+    params only on block edges that keep every piece's decision, see Note [Cuts on quantization
+    blocks] in ``fusion/block_layout.py``."""
+
+    block_size: Callable[[torch.optim.Optimizer], int]
+    """The block size of an instance (torchao keeps it in ``optimizer.block_size``)."""
+    min_numel: int = 4096
+    """The smallest tensor the class quantizes (torchao and bitsandbytes: 4096)."""
+    shared_parts: tuple[str, ...] = ("qmap",)
+    """Inner tensors of a quantized value (``__tensor_flatten__``) that every piece holds whole,
+    such as a lookup table of codes; every other inner tensor holds a fixed number of entries
+    per element (codes) or per block (scales), in the tensor's order."""
+
+    def grid(self, optimizer: torch.optim.Optimizer) -> BlockGrid:
+        return BlockGrid(self.block_size(optimizer), self.min_numel)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +81,16 @@ class OptimizerNeeds:
     several ``step()`` calls over disjoint params compute what one call over all of them does,
     and each bucket is stepped as soon as its reduction lands (Note [Step pipeline] in
     ``optimizer``). False: one ``step()`` over every bucket after every reduction."""
+    quantized_blocks: QuantizedBlocks | None = None
+    """Set for an element-wise class whose state is quantized block by block (torchao's
+    ``AdamW8bit``): pieces are cut on its blocks. Not with ``whole_params``."""
+
+    def __post_init__(self) -> None:
+        if self.whole_params and self.quantized_blocks is not None:
+            raise ValueError(
+                "OptimizerNeeds expects whole_params=True or quantized_blocks, not both: a whole "
+                "param is never cut, so its blocks need no declaration; drop quantized_blocks"
+            )
 
 
 ELEMENTWISE = OptimizerNeeds(whole_params=False, state_per_param=True)
@@ -65,6 +98,13 @@ ELEMENTWISE = OptimizerNeeds(whole_params=False, state_per_param=True)
 
 MUON = OptimizerNeeds(whole_params=True, param_cost=newton_schulz_cost, state_per_param=True)
 ADAFACTOR = OptimizerNeeds(whole_params=True, param_cost=numel_cost, state_per_param=True)
+TORCHAO_LOW_BIT = OptimizerNeeds(
+    whole_params=False,
+    state_per_param=True,
+    quantized_blocks=QuantizedBlocks(block_size=lambda optimizer: optimizer.block_size),
+)
+"""torchao's 8-bit, 4-bit and fp8 Adam(W): element-wise math, state quantized per block, all of
+it per param (``step`` included)."""
 ASSUMED_ELEMENTWISE = OptimizerNeeds(whole_params=False)
 """A class taken on the caller's word (``assume_elementwise=True``): it may keep state per
 ``step()`` call, so it is stepped once per ``step()``."""
@@ -78,6 +118,14 @@ WHOLE_PARAM_NEEDS_BY_NAME = {"Muon": MUON, "Adafactor": ADAFACTOR}
 """torch's whole-param classes, by name: both are newer than the element-wise ones (Muon ships
 from torch 2.9), and a torch without one has no entry for it, so ``import sharded_opt`` works
 there too."""
+
+
+THIRD_PARTY_NEEDS_BY_PATH = {
+    f"torchao.optim.adam.{name}": TORCHAO_LOW_BIT
+    for name in ("AdamW8bit", "AdamW4bit", "AdamWFp8", "Adam8bit", "Adam4bit", "AdamFp8")
+}
+"""Classes of optional packages, by module and name: known without importing the package (an
+import of torchao costs seconds), and by exact type, as torch's."""
 
 
 def torch_optimizers(optim: object = torch.optim) -> Mapping[type[torch.optim.Optimizer], OptimizerNeeds]:
@@ -102,7 +150,8 @@ def declared_needs(optimizer_class: type) -> OptimizerNeeds | None:
     """
     declared = getattr(optimizer_class, NEEDS_ATTRIBUTE, None)
     if declared is None:
-        return TORCH_OPTIMIZERS.get(optimizer_class)
+        path = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+        return TORCH_OPTIMIZERS.get(optimizer_class, THIRD_PARTY_NEEDS_BY_PATH.get(path))
     if not isinstance(declared, OptimizerNeeds):
         raise TypeError(
             f"ShardingStage1 expects {optimizer_class.__name__}.{NEEDS_ATTRIBUTE} to be a "

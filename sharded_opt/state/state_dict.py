@@ -24,6 +24,7 @@ Note [Element-wise and scalar state]
 from __future__ import annotations
 
 import dataclasses
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -44,6 +45,8 @@ from sharded_opt.step.inner_optimizer import (
     param_states,
 )
 from sharded_opt.step.optimizer_shards import OptimizerShards
+from sharded_opt.step.quantized_state import QuantizedFormat, flat_parts, format_of, is_quantized
+from sharded_opt.step.quantized_state import cut as cut_quantized
 
 
 def local_pieces(shards: OptimizerShards) -> dict[int, ShardPiece]:
@@ -72,9 +75,7 @@ def describe_param_states(shards: OptimizerShards, local: dict[int, ParamState])
         first_inner = _first_inner_param(shards, index)
         first_state = shards.inner.state[first_inner]
         own[index] = {
-            key: ("elementwise", value.dtype)
-            if is_elementwise(first_state[key], first_inner)
-            else ("scalar", value)
+            key: _describe(value, first_state[key], first_inner, shards.shared_state_parts)
             for key, value in state.items()
         }
     if not shards.comm.sharded:
@@ -85,6 +86,17 @@ def describe_param_states(shards: OptimizerShards, local: dict[int, ParamState])
     for descriptions in everyone:
         merged.update(descriptions)
     return dict(sorted(merged.items()))
+
+
+def _describe(value: Any, first_value: Any, first_inner: Tensor, shared: tuple[str, ...]) -> tuple[str, Any]:
+    """One key's description: ``("quantized", format)`` for a quantized value (its parts are
+    assembled like element-wise values, see ``quantized_state``), ``("elementwise", dtype)``
+    or ``("scalar", value)``."""
+    if is_quantized(value):
+        return "quantized", format_of(value, shared)
+    if is_elementwise(first_value, first_inner):
+        return "elementwise", value.dtype
+    return "scalar", value
 
 
 def _first_inner_param(shards: OptimizerShards, index: int) -> Tensor:
@@ -98,6 +110,25 @@ a model's element-wise state travels in a few large collectives instead of one p
 key (each a round trip), while the transient memory beyond the local shards stays bounded."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Flat:
+    """One flat tensor of a param's state to assemble: an element-wise value (``part`` None) or
+    one per-element part of a quantized value, ``ratio`` entries per element of the param."""
+
+    index: int
+    key: str
+    dtype: torch.dtype
+    part: str | None = None
+    ratio: Fraction = Fraction(1)
+
+    def numel(self, params: list[Tensor]) -> int:
+        return int(params[self.index].numel() * self.ratio)
+
+    def local(self, state: ParamState, fmt: QuantizedFormat | None) -> Tensor:
+        value = state[self.key]
+        return value if fmt is None else flat_parts(value, fmt)[self.part]
+
+
 def gather_state_dict(shards: OptimizerShards, to_rank: int | None) -> dict[str, Any] | None:
     """The standard state dict (collective). See Note [Element-wise and scalar state].
 
@@ -107,72 +138,91 @@ def gather_state_dict(shards: OptimizerShards, to_rank: int | None) -> dict[str,
     local = param_states(shards.inner, shards.live_shards())
     descriptions = describe_param_states(shards, local)
     state: dict[int, dict[str, Any]] = {}
-    elementwise: list[tuple[int, str, torch.dtype]] = []
+    flats: list[_Flat] = []
+    formats: dict[tuple[int, str], QuantizedFormat] = {}
     for index, description in descriptions.items():
         entry: dict[str, Any] = {}
         for key, (kind, value) in description.items():
+            entry[key] = None  # assembled below, in this key order
             if kind == "scalar":
                 entry[key] = value.clone() if isinstance(value, Tensor) else value
+            elif kind == "quantized":
+                formats[index, key] = value
+                flats.extend(
+                    _Flat(index, key, dtype, part, ratio) for part, (ratio, dtype) in value.ratios.items()
+                )
             else:
-                entry[key] = None  # assembled below, in this key order
-                elementwise.append((index, key, value))
+                flats.append(_Flat(index, key, value))
         state[index] = entry
     pieces = local_pieces(shards)
-    for batch in _gather_batches(shards, elementwise):
-        for index, key, full in _assemble(shards, batch, local, pieces, to_rank):
-            state[index][key] = view_slot(full, shards.plan.slot(index))
+    parts: dict[tuple[int, str], dict[str, Tensor]] = {}
+    for batch in _gather_batches(shards, flats):
+        for flat, full in _assemble(shards, batch, local, pieces, to_rank, formats):
+            if flat.part is None:
+                state[flat.index][flat.key] = view_slot(full, shards.plan.slot(flat.index))
+            else:
+                parts.setdefault((flat.index, flat.key), {})[flat.part] = full
+    for (index, key), fmt in formats.items():
+        if (index, key) in parts:
+            state[index][key] = fmt.build(parts[index, key], shards.plan.slot(index).shape)
     if to_rank is not None and shards.groups.world_rank != to_rank:
         return None
     return {"state": state, "param_groups": indexed_groups(shards.param_groups)}
 
 
-def _gather_batches(
-    shards: OptimizerShards, elementwise: list[tuple[int, str, torch.dtype]]
-) -> list[list[tuple[int, str, torch.dtype]]]:
-    """``elementwise`` in order, cut into runs of one dtype and device of at most
+def _gather_batches(shards: OptimizerShards, flats: list[_Flat]) -> list[list[_Flat]]:
+    """``flats`` in order, cut into runs of one dtype and device of at most
     ``GATHER_BATCH_BYTES`` (a larger tensor alone)."""
     params = shards.buffers.params
-    batches: list[list[tuple[int, str, torch.dtype]]] = []
+    batches: list[list[_Flat]] = []
     batch_bytes = 0
-    for entry in elementwise:
-        index, _, dtype = entry
-        nbytes = params[index].numel() * dtype.itemsize
+    for flat in flats:
+        nbytes = flat.numel(params) * flat.dtype.itemsize
         last = batches[-1][-1] if batches else None
-        alike = last is not None and (last[2], params[last[0]].device) == (dtype, params[index].device)
+        alike = last is not None and (last.dtype, params[last.index].device) == (
+            flat.dtype,
+            params[flat.index].device,
+        )
         if not alike or batch_bytes + nbytes > GATHER_BATCH_BYTES:
             batches.append([])
             batch_bytes = 0
-        batches[-1].append(entry)
+        batches[-1].append(flat)
         batch_bytes += nbytes
     return batches
 
 
 def _assemble(
     shards: OptimizerShards,
-    batch: list[tuple[int, str, torch.dtype]],
+    batch: list[_Flat],
     local: dict[int, ParamState],
     pieces: dict[int, ShardPiece],
     to_rank: int | None,
-) -> list[tuple[int, str, Tensor]]:
+    formats: dict[tuple[int, str], QuantizedFormat],
+) -> list[tuple[_Flat, Tensor]]:
     """The full flat tensors of one batch, each param's own: this rank's pieces written into a
-    zeroed flat buffer, summed over the group in one collective, then cut apart."""
+    zeroed flat buffer, summed over the group in one collective, then cut apart. One-byte
+    dtypes (fp8 codes) travel as bytes: gloo sums no fp8, and a sum of disjoint bytes and zeros
+    is exact."""
     params = shards.buffers.params
-    first = params[batch[0][0]]
-    flat = torch.zeros(sum(params[i].numel() for i, _, _ in batch), dtype=batch[0][2], device=first.device)
+    dtype = batch[0].dtype
+    wire = torch.uint8 if dtype.itemsize == 1 else dtype
+    sizes = [flat.numel(params) for flat in batch]
+    buffer = torch.zeros(sum(sizes), dtype=wire, device=params[batch[0].index].device)
     spans = []
     offset = 0
-    for index, key, _ in batch:
-        full = flat[offset : offset + params[index].numel()]
-        if index in local and _contributes(shards):
-            piece = pieces[index]
-            full[piece.param_start : piece.param_start + piece.numel] = local[index][key]
-        spans.append((index, key, offset))
-        offset += full.numel()
+    for flat, size in zip(batch, sizes, strict=True):
+        if flat.index in local and _contributes(shards):
+            piece = pieces[flat.index]
+            start = offset + int(piece.param_start * flat.ratio)
+            value = flat.local(local[flat.index], formats.get((flat.index, flat.key)))
+            buffer[start : start + value.numel()] = value.view(wire) if wire != dtype else value
+        spans.append((flat, offset, size))
+        offset += size
     if shards.comm.sharded:
-        _sum_over_group(flat, shards, to_rank)
+        _sum_over_group(buffer, shards, to_rank)
     if to_rank is not None and shards.groups.world_rank != to_rank:
         return []  # the sum went to another rank
-    return [(index, key, flat[start : start + params[index].numel()].clone()) for index, key, start in spans]
+    return [(flat, buffer[start : start + size].clone().view(dtype)) for flat, start, size in spans]
 
 
 def _contributes(shards: OptimizerShards) -> bool:
@@ -311,15 +361,19 @@ def _local_states(
             continue
         elementwise = expected.of(position)
         states[position] = {
-            key: _cut(value, piece, shards.plan.slot(position)) if elementwise[key] else value
+            key: _cut(value, piece, shards.plan.slot(position), shards.shared_state_parts)
+            if elementwise[key]
+            else value
             for key, value in entry.items()
         }
     return states
 
 
-def _cut(value: Tensor, piece: ShardPiece, slot: ParamSlot) -> Tensor:
+def _cut(value: Tensor, piece: ShardPiece, slot: ParamSlot, shared: tuple[str, ...]) -> Tensor:
     """This rank's piece of a full state tensor, in the slot's memory order. A copy: the
     optimizer updates its state in place and must not write into the caller's dict."""
+    if is_quantized(value):
+        return cut_quantized(value, piece.param_start, piece.numel, shared)
     flat = flatten_to_slot(value, slot)
     return flat[piece.param_start : piece.param_start + piece.numel].clone()
 

@@ -208,7 +208,9 @@ def load_param_states(
             # Scalars are cloned per inner param: optimizers update ``step`` in place, so a
             # tensor shared by a param's chunks would be advanced once per chunk.
             inner_state[position[id(param)]] = {
-                key: value[start : start + param.numel()] if _is_local_elementwise(value) else _copy(value)
+                key: _local_part(value, start, param.numel())
+                if _is_local_elementwise(value)
+                else _copy(value)
                 for key, value in state.items()
             }
     configured = [
@@ -233,6 +235,13 @@ def is_elementwise(value: Any, inner_param: Tensor) -> bool:
     """Whether a state value is per element of ``inner_param`` (``exp_avg``...) rather than a
     scalar (``step``). Inner params are 1-D, scalars 0-dim, so the shape tells them apart."""
     return isinstance(value, Tensor) and value.shape == inner_param.shape
+
+
+def _local_part(value: Tensor, start: int, numel: int) -> Tensor:
+    """Elements ``[start, start + numel)`` of a param's local state; all of it as it is when
+    that is all (a quantized value, whose pieces are never chunked, cannot be sliced
+    everywhere)."""
+    return value if start == 0 and value.numel() == numel else value[start : start + numel]
 
 
 def _is_local_elementwise(value: Any) -> bool:

@@ -11,7 +11,8 @@ Note [Per-param pieces]
     and write whole buckets; only the optimizer sees pieces, and torch's own rules then hold per
     param: before a step, the pieces of params that got no grad on any rank get ``grad=None``.
 
-    On CPU each piece is further cut into views of at most ``CPU_CHUNK_BYTES``: torch's default
+    On CPU each piece is further cut into views of at most ``CPU_CHUNK_BYTES`` (not for state
+    quantized per block, which a chunk would change): torch's default
     single-tensor kernels make one pass over memory per element-wise op, and over multi-MiB
     tensors every pass streams from DRAM. Chunks of 1 MiB keep a chunk's param, grad and two Adam
     moments close to a core's L2 between passes; smaller chunks cost a kernel launch each for
@@ -174,7 +175,7 @@ def build_local_shard(
     if bucket.whole_params:
         _add_whole_params(shard)
         return shard
-    chunk_numel = _chunk_numel(stepped)
+    chunk_numel = _chunk_numel(stepped, bucket)
     for piece in pieces:
         # A zero-element param's empty piece still gets one (empty) inner param: torch steps it.
         for start in range(piece.shard_start, piece.shard_start + max(1, piece.numel), chunk_numel):
@@ -207,7 +208,10 @@ def _add_whole_params(shard: LocalShard) -> None:
         shard.inner_owners.append(piece.param_index)
 
 
-def _chunk_numel(stepped: Tensor) -> int:
-    if stepped.device.type != "cpu":
+def _chunk_numel(stepped: Tensor, bucket: BucketPlan) -> int:
+    """Quantized state is never chunked: a chunk is a tensor of its own to the optimizer, which
+    would decide anew whether to quantize it (Note [Cuts on quantization blocks] in
+    ``fusion/block_layout.py``)."""
+    if stepped.device.type != "cpu" or bucket.block_grid is not None:
         return max(1, stepped.numel())
     return max(1, CPU_CHUNK_BYTES // stepped.element_size())

@@ -21,6 +21,7 @@ from sharded_opt.comm.hybrid_groups import ShardGroups
 from sharded_opt.step.bucket import Bucket
 from sharded_opt.step.inner_optimizer import add_shard
 from sharded_opt.step.local_shard import LocalShard
+from sharded_opt.step.quantized_state import stored_bytes
 
 
 class ParamGroupsOwner(Protocol):
@@ -47,6 +48,9 @@ class OptimizerShards:
     inner: torch.optim.Optimizer
     owner: ParamGroupsOwner
     groups: ShardGroups
+    shared_state_parts: tuple[str, ...] = ()
+    """Inner tensors of quantized state values that every piece holds whole
+    (``QuantizedBlocks.shared_parts``), see ``quantized_state``."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -76,9 +80,10 @@ class OptimizerShards:
         return [shard.stepped_grad for shard in self.live_shards()]
 
     def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state tensors held by this rank."""
+        """Bytes of optimizer state tensors held by this rank (a quantized value's codes, scales
+        and code book, see ``quantized_state``)."""
         return sum(
-            value.numel() * value.element_size()
+            stored_bytes(value)
             for state in self.inner.state.values()
             for value in state.values()
             if isinstance(value, torch.Tensor) and value.dim() > 0
