@@ -26,8 +26,9 @@ UNIFORM_LOSS = math.log(256)
 """The loss of a uniform guess over bytes, near where an untrained model starts."""
 
 
-@pytest.mark.parametrize("setting", ["exact"])
+@pytest.mark.parametrize("setting", ["exact", "int8"])
 def test_a_setting_learns_and_keeps_the_ranks_params_identical(setting: str) -> None:
+    """The short version of the convergence run: exact, and int8 grads with int8 param deltas."""
     result = convergence.run_setting(TINY, setting)
     assert result["all_finite"]
     assert result["params_identical"]
