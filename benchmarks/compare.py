@@ -13,6 +13,17 @@ communication alone and compute alone, give the hidden share of communication
 (``report.hidden_comm``) and the distance to max(compute, comm). Writes ``results.json``,
 ``step_times.png``, ``timeline_overlap.png`` (and ``scaling.png`` for several world sizes) and a
 Chrome trace of one overlap step per run into ``--out``; ``--profile`` adds one per mode.
+Every mode's bytes sent per step and rank are in the table (``sent MiB``): counted from the
+payloads for the wrapper's modes (``ShardingStage1.wire_bytes()`` over the timed steps), computed
+for DDP (a ring all-reduce sends 2(N-1)/N of the grad bytes per rank).
+
+``--grad-compression {bf16,int8}`` and ``--param-compression int8`` add the sync and overlap modes
+again with ``ShardingConfig.grad_compression``/``param_compression`` set, as ``sync+TAG`` and
+``overlap+TAG`` (TAG: what grads, g, and params, p, are sent as, e.g. ``int8g+int8p``), measured
+interleaved with the exact modes in the same run; the summary gives their bytes and step times
+over the exact modes' and DDP's. They are not meant to end on DDP's params: their distance is
+printed, not checked; the compressed sync and overlap must agree with each other bitwise (Note
+[Compressed wire] in ``sharded_opt/comm/compression.py``).
 
 ``--preset comm-bound`` emulates a 200 Mbit/s link between the 2 ranks (root needed), where
 communication alone takes several times the compute: the case overlap exists for.
@@ -53,7 +64,15 @@ import torch
 
 from benchmarks import plots, report
 from benchmarks.models import MODEL_NAMES, PRESETS, model_seq_len
-from benchmarks.modes import MODES, MUON_MODES, OPTIMIZERS
+from benchmarks.modes import (
+    COMPRESSIBLE,
+    MODES,
+    MUON_MODES,
+    OPTIMIZERS,
+    Compression,
+    compressed_modes,
+    split_mode,
+)
 from benchmarks.netns import LinkConfig, link_unavailable_reason, parse_link, shaped_link
 from benchmarks.report import bucket_label
 from benchmarks.session import RunConfig, compare_rank, memory_rank
@@ -201,6 +220,11 @@ def parse_args(argv: list[str] | None, machine: Machine | None = None) -> Plan:
                         help="add the hybrid mode: ranks per shard group (and per node)")  # fmt: skip
     parser.add_argument("--gloo-p2p", action="store_true",
                         help="ShardingConfig(gloo_point_to_point=True) for the wrapper's modes")  # fmt: skip
+    parser.add_argument("--grad-compression", choices=("bf16", "int8"), default=None,
+                        help="add sync and overlap with compressed grads: sync+TAG, overlap+TAG")  # fmt: skip
+    parser.add_argument("--param-compression", choices=("int8",), default=None,
+                        help="add sync and overlap with params sent as int8 deltas (with or "
+                        "without --grad-compression)")  # fmt: skip
     parser.add_argument(
         "--compile",
         nargs="?",
@@ -238,11 +262,21 @@ def parse_args(argv: list[str] | None, machine: Machine | None = None) -> Plan:
         parser.error(f"--optimizer {args.optimizer} runs the modes {','.join(allowed)} only")
     chosen = allowed if args.modes is None else args.modes
     modes = tuple(mode for mode in chosen if mode != "hybrid" or args.degree is not None)
+    compression = Compression(args.grad_compression, args.param_compression)
+    if not compression.exact and not set(COMPRESSIBLE) & set(modes):
+        parser.error(
+            f"--grad-compression/--param-compression compress the modes {','.join(COMPRESSIBLE)}: run one"
+        )
+    modes += compressed_modes(modes, compression)
     if link is not None and args.degree is not None:
         link = dataclasses.replace(link, ranks_per_node=args.degree)
     # Two ranks cannot share one device's collectives (NCCL refuses it): with fewer devices than
     # ranks, the ranks run on CPU.
     cpu_ranks = machine.accelerator_type is None or machine.device_count < max(args.world_sizes)
+    if not compression.exact and not cpu_ranks:
+        parser.error(
+            "a compressed wire runs on CPU ranks (gloo) only: the library refuses accelerator tensors"
+        )
     if setting is None:
         setting = _named_setting(preset_name, link, cpu_ranks)
     base = dataclasses.replace(
@@ -265,6 +299,7 @@ def parse_args(argv: list[str] | None, machine: Machine | None = None) -> Plan:
         optimizer=args.optimizer,
         compile_backend=args.compile,
         cpu_ranks=cpu_ranks,
+        compression=compression,
     )
     return Plan(base, args.world_sizes, args.bucket_mb, args.out, memory, link, setting, args.targets)
 
@@ -322,6 +357,8 @@ def run_once(config: RunConfig, world_size: int, memory: bool) -> dict:
     summary = report.summarize_run(ranks, peaks, config.micro_batch * config.seq_len)
     summary["bucket_mb"] = config.bucket_mb
     summary["optimizer"] = config.optimizer
+    summary["compression"] = dataclasses.asdict(config.compression)
+    summary["compressed_ratios"] = report.compressed_ratios(summary)
     summary["loss_curve_ddp"] = ranks[0]["losses"].get("ddp", [])
     summary["timeline"] = ranks[0].get("timeline", [])
     node_bytes = [r["link_tx_bytes_per_step"] for r in ranks if "link_tx_bytes_per_step" in r]
@@ -338,10 +375,15 @@ def _print_run(run: dict, config: RunConfig) -> None:
           f"{', Muon on the hidden matrices + AdamW' if config.optimizer == 'muon' else ''}"
           f"{_compiled_label(config)} ==")  # fmt: skip
     print(report.mode_table(run))
+    print(report.SENT_NOTE)
+    if not config.compression.exact:
+        print(f"+{config.compression.tag}: the mode with {config.compression.words()} on the wire "
+              "(g: ShardingConfig.grad_compression, p: param_compression)")  # fmt: skip
     if "link_bytes_per_step" in run:
         print("bytes across the emulated link per step (both directions, steady blocks, median):")
+        width = max(10, *(len(name) for name in run["link_bytes_per_step"]))
         for name, sent in run["link_bytes_per_step"].items():
-            print(f"  {name:10} {sent / 2**20:9.2f} MiB")
+            print(f"  {name:{width}} {sent / 2**20:9.2f} MiB")
     print(f"block = {config.steps_per_round}-step blocks ending in sync_params(); steady = "
           f"{config.steady_steps}-step blocks; medians of the slowest rank")  # fmt: skip
     print("\n".join(report.analysis_lines(run)))
@@ -361,12 +403,30 @@ def _print_run(run: dict, config: RunConfig) -> None:
             sum(curve[i : i + window]) / len(curve[i : i + window]) for i in range(0, len(curve), window)
         ]
         print(f"loss (rank 0, DDP), mean of each {window} steps:", " ".join(f"{v:.3f}" for v in means))
-    agreement = run["agreement"]
-    if agreement["param_max_abs_diff"]:
-        diffs = ", ".join(f"{k} {v:.2e}" for k, v in agreement["param_max_abs_diff"].items())
-        verdict = "agree" if agreement["agree"] else "DO NOT AGREE"
-        print(f"max |param - DDP param|: {diffs}; modes ddp/sync/overlap {verdict} "
-              f"(atol {report.PARAM_ATOL:g})")  # fmt: skip
+    print("\n".join(agreement_lines(run["agreement"])))
+
+
+def agreement_lines(agreement: dict) -> list[str]:
+    """The params' distance to DDP's: checked for the exact modes; for the compressed ones only
+    reported, with the compressed sync against the compressed overlap checked instead."""
+    diffs = agreement["param_max_abs_diff"]
+    exact = {name: diff for name, diff in diffs.items() if not split_mode(name)[1]}
+    compressed = {name: diff for name, diff in diffs.items() if split_mode(name)[1]}
+    verdict = "agree" if agreement["agree"] else "DO NOT AGREE"
+    lines = []
+    if exact:
+        listed = ", ".join(f"{k} {v:.2e}" for k, v in exact.items())
+        lines.append(f"max |param - DDP param|: {listed}; modes {'/'.join(['ddp', *exact])} {verdict} "
+                     f"(atol {report.PARAM_ATOL:g})")  # fmt: skip
+    if compressed:
+        listed = ", ".join(f"{k} {v:.2e}" for k, v in compressed.items())
+        lines.append(f"compressed modes, max |param - DDP param|: {listed} (reported, not checked: a "
+                     "compressed wire is not meant to end on DDP's params)")  # fmt: skip
+    if "compressed_sync_vs_overlap" in agreement:
+        pair = agreement["compressed_sync_vs_overlap"]
+        same = "bitwise equal" if pair == 0 else "agree" if pair <= report.PARAM_ATOL else "DO NOT AGREE"
+        lines.append(f"compressed sync against compressed overlap: max |param diff| {pair:.2e}, {same}")
+    return lines
 
 
 def _compiled_label(config: RunConfig) -> str:
@@ -433,12 +493,14 @@ def _finish(plan: Plan, runs: list[dict], emulated: bool, argv: list[str] | None
             mark = "MET " if check.met else "MISS"
             print(f"  {mark} {check.name}: {check.measured:.3f} (limit {check.limit:g})")
     lines = verdict_lines(main_run, plan.setting)
+    compressed = report.compressed_lines(main_run)
     payload = {
         "command": " ".join(["python -m benchmarks.compare", *(sys.argv[1:] if argv is None else argv)]),
         "config": dataclasses.asdict(plan.base),
         "emulated_link": dataclasses.asdict(plan.link) if emulated and plan.link else None,
         "setting": dataclasses.asdict(plan.setting),
         "verdict": lines,
+        "compressed": compressed,
         "environment": report.environment(),
         "runs": runs,
         "targets": [check.as_dict() for check in checks],
@@ -450,6 +512,10 @@ def _finish(plan: Plan, runs: list[dict], emulated: bool, argv: list[str] | None
     print(f"\nWrote {plan.out}/results.json, step_times.png, timeline_overlap.png and Chrome traces")
     print(f"\nVerdict ({plan.setting.where()}, {main_run['world_size']} ranks):")
     print("\n".join(f"  {line}" for line in lines))
+    if compressed:
+        print(f"\nCompressed wire ({plan.base.compression.words()}), against the exact modes and DDP "
+              "(bytes from the payloads; DDP's computed):")  # fmt: skip
+        print("\n".join(f"  {line}" for line in compressed))
 
 
 if __name__ == "__main__":

@@ -38,18 +38,9 @@ from torch import Tensor, nn
 from benchmarks import plots
 from benchmarks.data import DataConfig, RankBatches
 from benchmarks.models import GPTConfig, build_gpt
-from benchmarks.modes import AdamWConfig
+from benchmarks.modes import AdamWConfig, Compression
 from benchmarks.report import environment, write_json
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, spawn
-
-
-@dataclass(frozen=True, slots=True)
-class Compression:
-    """The wire a setting uses: ``ShardingConfig.grad_compression`` and ``param_compression``."""
-
-    grad: str | None = None
-    param: str | None = None
-
 
 SETTINGS: dict[str, Compression] = {
     "exact": Compression(),

@@ -6,6 +6,11 @@ optimizer state lives. The optimizer is AdamW over every param, or (``--optimize
 torch's Muon over the hidden matrices and AdamW over the rest, as Muon users split them
 (``benchmarks.models.hidden_matrix_names``, docs/muon-adafactor.md): two optimizers per mode,
 two ``ShardingStage1`` wrappers in the sharded modes.
+
+With a compressed wire (``--grad-compression``, ``--param-compression``), the sync and overlap
+modes also run a second time with ``ShardingConfig.grad_compression``/``param_compression`` set,
+as modes of their own named ``sync+TAG`` and ``overlap+TAG`` (:class:`Compression`), beside the
+exact ones in the same run.
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ from sharded_opt.step.bucket import finish_grad_syncs, start_param_syncs
 
 MODES = ("ddp", "zero", "sync", "overlap", "hybrid")
 """Measured modes, in the interleaving order A B C D E. ``hybrid`` (ShardingStage1 overlap with
-``Strategy().sharding.degree``) runs only when ``--degree`` is given."""
+``Strategy().sharding.degree``) runs only when ``--degree`` is given. The compressed variants
+(:func:`compressed_modes`) follow them."""
+
+COMPRESSIBLE = ("sync", "overlap")
+"""The modes that run a compressed variant too when the wire is compressed."""
 
 COMM_ONLY = "comm"
 """Pseudo-mode: the sharded modes' collectives on their own buffers, with no compute."""
@@ -58,10 +67,53 @@ LABELS = {
 
 
 def label(name: str, optimizer: str = "adamw") -> str:
-    """A mode's label in tables and plots; with Muon, DDP's names both of its optimizers."""
+    """A mode's label in tables and plots; with Muon, DDP's names both of its optimizers; a
+    compressed variant is its exact mode's label and its tag (``... overlap +int8g+int8p``)."""
+    base, tag = split_mode(name)
+    if tag:
+        return f"{label(base, optimizer)} +{tag}"
     if optimizer == "muon" and name == "ddp":
         return "DDP + Muon/AdamW"
     return LABELS[name]
+
+
+@dataclass(frozen=True, slots=True)
+class Compression:
+    """The wire a setting uses: ``ShardingConfig.grad_compression`` and ``param_compression``
+    (None: exact, as sent without compression)."""
+
+    grad: str | None = None
+    param: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.grad is None and self.param is None
+
+    @property
+    def tag(self) -> str:
+        """The suffix of the compressed modes' names: what grads (``g``) and params (``p``) are
+        sent as, e.g. ``int8g+int8p``, ``bf16g``; empty when exact."""
+        parts = [f"{self.grad}g" if self.grad else "", f"{self.param}p" if self.param else ""]
+        return "+".join(part for part in parts if part)
+
+    def words(self) -> str:
+        """The setting in words, e.g. ``grads int8, params int8``."""
+        return ", ".join(
+            f"{kind} {value or 'exact'}" for kind, value in (("grads", self.grad), ("params", self.param))
+        )
+
+
+def split_mode(name: str) -> tuple[str, str]:
+    """A mode's exact mode and compression tag: ``("overlap", "int8g+int8p")``, ``("ddp", "")``."""
+    base, _, tag = name.partition("+")
+    return base, tag
+
+
+def compressed_modes(modes: tuple[str, ...], compression: Compression) -> tuple[str, ...]:
+    """The compressed variants of the :data:`COMPRESSIBLE` modes among ``modes``, in order."""
+    if compression.exact:
+        return ()
+    return tuple(f"{name}+{compression.tag}" for name in COMPRESSIBLE if name in modes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +162,8 @@ class ModeSpec:
     muon: MuonConfig = MuonConfig()
     compile_backend: str | None = None
     """``torch.compile`` every mode's forward with this backend (``--compile``); None: eager."""
+    compression: Compression = Compression()
+    """The wire of the compressed modes (``sync+TAG``, ``overlap+TAG``); the others are exact."""
 
 
 class Runner:
@@ -164,6 +218,15 @@ class Runner:
         """Optimizer state held by this rank, in bytes."""
         return sum(self.state_bytes_by_optimizer().values())
 
+    def wire_bytes(self) -> dict[str, int] | None:
+        """What this rank's wrappers sent since they were built (``ShardingStage1.wire_bytes()``,
+        summed over the wrappers), or None for a mode without one (DDP, ZeRO, compute only)."""
+        wrappers = self.wrappers
+        if not wrappers:
+            return None
+        sent = [wrapper.wire_bytes() for wrapper in wrappers]
+        return {kind: sum(each[kind] for each in sent) for kind in sent[0]}
+
     def state_bytes_by_optimizer(self) -> dict[str, int]:
         """Optimizer state held by this rank, in bytes, per wrapped class (``{"Muon": ...,
         "AdamW": ...}``): ``optimizer_state_bytes()`` of a wrapper, every state tensor otherwise."""
@@ -217,9 +280,18 @@ class CommOnlyRunner(Runner):
 
 
 def build_runner(name: str, spec: ModeSpec) -> Runner:
-    """Build mode ``name`` from ``spec``; every call returns an independent model copy."""
+    """Build mode ``name`` from ``spec``; every call returns an independent model copy. A
+    compressed variant (``overlap+TAG``) must carry the tag of ``spec.compression``."""
     model = build_model(spec.model_name, spec.seed).to(spec.device)
-    return _compiled(_BUILDERS[name](model, spec), spec)
+    base, tag = split_mode(name)
+    if not tag:
+        return _compiled(_BUILDERS[name](model, spec), spec)
+    if base not in COMPRESSIBLE or tag != spec.compression.tag:
+        known = compressed_modes(COMPRESSIBLE, spec.compression)
+        raise ValueError(
+            f"unknown mode {name!r}; the compressed modes of this run: {', '.join(known) or 'none'}"
+        )
+    return _compiled(_sharded(model, spec, overlap=base == "overlap", compression=spec.compression), spec)
 
 
 def _compiled(runner: Runner, spec: ModeSpec) -> Runner:
@@ -289,21 +361,36 @@ def _build_sharded(overlap: bool, hybrid: bool = False) -> Callable[[nn.Module, 
     def build(model: nn.Module, spec: ModeSpec) -> Runner:
         if hybrid and spec.degree is None:
             raise ValueError("the hybrid mode needs --degree (ranks per shard group)")
-        degree = spec.degree if hybrid else None
-        config = ShardingConfig(
-            enable=True,
-            bucket_size_mb=spec.bucket_mb,
-            degree=degree,
-            gloo_point_to_point=spec.gloo_point_to_point,
-        )
-        strategy = Strategy(sharding=config)
-        wrappers = [
-            ShardingStage1(plain, overlap=overlap, strategy=strategy, process_group=spec.group, model=model)
-            for plain in plain_optimizers(model, spec)
-        ]
-        return Runner("hybrid" if hybrid else "overlap" if overlap else "sync", model, model, *wrappers)
+        return _sharded(model, spec, overlap, spec.degree if hybrid else None)
 
     return build
+
+
+def _sharded(
+    model: nn.Module,
+    spec: ModeSpec,
+    overlap: bool,
+    degree: int | None = None,
+    compression: Compression = Compression(),
+) -> Runner:
+    """A ``ShardingStage1`` mode: each of the mode's optimizers wrapped, with the model attached."""
+    config = ShardingConfig(
+        enable=True,
+        bucket_size_mb=spec.bucket_mb,
+        degree=degree,
+        gloo_point_to_point=spec.gloo_point_to_point,
+        grad_compression=compression.grad,
+        param_compression=compression.param,
+    )
+    strategy = Strategy(sharding=config)
+    wrappers = [
+        ShardingStage1(plain, overlap=overlap, strategy=strategy, process_group=spec.group, model=model)
+        for plain in plain_optimizers(model, spec)
+    ]
+    name = "hybrid" if degree is not None else "overlap" if overlap else "sync"
+    if not compression.exact:
+        name = f"{name}+{compression.tag}"
+    return Runner(name, model, model, *wrappers)
 
 
 _BUILDERS: dict[str, Callable[[nn.Module, ModeSpec], Runner]] = {
@@ -341,6 +428,9 @@ def comm_bytes_per_step(runner: Runner, world_size: int) -> dict[str, float]:
     tensors on gloo as an all-to-all plus a local sum, and with ``gloo_point_to_point`` runs both
     collectives as point-to-point messages; either way each sends the same (N-1)/N * B (see
     Note [Reduce-scatter on gloo] in sharded_opt/comm/collectives.py).
+
+    These are estimates of the exact wire, also for a compressed mode; what the wrapper's modes
+    really sent is counted from their payloads (:meth:`Runner.wire_bytes`, ``benchmarks.session``).
     """
     if world_size == 1 or runner.name == COMPUTE_ONLY:
         return {"payload": 0.0, "wire_per_rank": 0.0}

@@ -10,15 +10,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
 from matplotlib.patches import Patch  # noqa: E402
 
-from benchmarks.modes import MODES, PSEUDO_MODES  # noqa: E402
+from benchmarks.modes import PSEUDO_MODES  # noqa: E402
 from benchmarks.modes import label as mode_label  # noqa: E402
-from benchmarks.report import bucket_label  # noqa: E402
+from benchmarks.report import bucket_label, mode_names  # noqa: E402
 
 
 def plot_step_times(runs: list[dict], path: Path) -> None:
     """Median step time per mode with p10-p90 whiskers, one group of bars per run."""
     figure, axes = plt.subplots(figsize=(9, 4.5))
-    names = [name for name in (*MODES, *PSEUDO_MODES) if any(name in run["modes"] for run in runs)]
+    names = [*mode_names(runs), *(name for name in PSEUDO_MODES if any(name in run["modes"] for run in runs))]
     width = 0.8 / len(runs)
     for offset, run in enumerate(runs):
         xs, medians, lower, upper = [], [], [], []
@@ -44,7 +44,7 @@ def plot_step_times(runs: list[dict], path: Path) -> None:
 def plot_scaling(runs: list[dict], path: Path) -> None:
     """Total tokens/s against world size, one line per mode."""
     figure, axes = plt.subplots(figsize=(6, 4))
-    for name in MODES:
+    for name in mode_names(runs):
         points = [(r["world_size"], r["modes"][name]["tokens_per_s"]) for r in runs if name in r["modes"]]
         if points:
             axes.plot(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.modes import COMM_ONLY, COMPUTE_ONLY, MODES, MUST_AGREE, PSEUDO_MODES
+from benchmarks.modes import COMM_ONLY, COMPUTE_ONLY, MUST_AGREE, PSEUDO_MODES, split_mode
 from benchmarks.modes import label as mode_label
 
 PARAM_ATOL = 1e-4
@@ -79,6 +79,7 @@ def summarize_run(ranks: list[dict], memory: dict[str, list[dict]], tokens_per_r
         stats["tokens_per_s"] = world_size * tokens_per_rank / stats["median_s"]
         stats["tokens_per_s_per_rank"] = tokens_per_rank / stats["median_s"]
         stats["comm_bytes"] = ranks[0]["comm_bytes"][name]
+        stats.update(_sent(ranks, name))
         if name not in PSEUDO_MODES:
             stats["state_bytes_per_rank"] = max(r["state_bytes"][name] for r in ranks)
             stats["first_loss"] = ranks[0]["losses"][name][0]
@@ -190,6 +191,31 @@ def state_lines(run: dict) -> list[str]:
     return lines
 
 
+SENT_NOTE = (
+    "sent MiB: bytes each rank sent per step (mean over ranks), measured from\n"
+    "  ShardingStage1.wire_bytes() over the timed steps for the wrapper's modes (comm only: the sync\n"
+    "  wrapper's); * computed, not measured: DDP's ring all-reduce sends 2(N-1)/N of the grad bytes per\n"
+    "  rank, ZeroRedundancyOptimizer that plus its param broadcasts, 3(N-1)/N of the param bytes"
+)
+"""What the table's ``sent MiB`` column holds, printed under it."""
+
+
+def _sent(ranks: list[dict], name: str) -> dict[str, object]:
+    """A mode's bytes sent per step and rank: counted from the payloads where the ranks measured
+    them (``wire_bytes_per_step``: the wrapper's modes), else the ring estimate of
+    ``benchmarks.modes.comm_bytes_per_step`` (DDP, ZeRO), marked as computed."""
+    measured = [r.get("wire_bytes_per_step", {}).get(name) for r in ranks]
+    if all(found is not None for found in measured):
+        by_kind = {kind: statistics.fmean(found[kind] for found in measured) for kind in measured[0]}
+        return {
+            "sent_bytes_per_step": by_kind["total"],
+            "sent_by_kind": by_kind,
+            "sent_by_rank": [found["total"] for found in measured],
+            "sent_measured": True,
+        }
+    return {"sent_bytes_per_step": ranks[0]["comm_bytes"][name]["wire_per_rank"], "sent_measured": False}
+
+
 def _slowest_rank(ranks: list[dict], key: str, name: str) -> list[float]:
     return [max(values) for values in zip(*(r[key][name] for r in ranks), strict=True)]
 
@@ -296,9 +322,14 @@ def _hidden_fraction(modes: dict[str, dict]) -> float | None:
 
 
 def _agreement(ranks: list[dict]) -> dict[str, object]:
-    """Largest param and per-step loss differences against DDP over all ranks."""
+    """Largest param and per-step loss differences against DDP over all ranks. ``agree`` covers
+    the modes of :data:`MUST_AGREE` and, when both ran, the compressed sync against the
+    compressed overlap (``compressed_sync_vs_overlap``, bitwise equal by Note [Compressed wire]);
+    the compressed modes' distance to DDP is reported, not checked."""
     param_diff = {
-        name: max(r["agreement"][name] for r in ranks) for name in ranks[0]["agreement"] if name in MODES
+        name: max(r["agreement"][name] for r in ranks)
+        for name in ranks[0]["agreement"]
+        if name not in PSEUDO_MODES
     }
     loss_diff = {}
     for name in ranks[0]["losses"]:
@@ -309,7 +340,21 @@ def _agreement(ranks: list[dict]) -> dict[str, object]:
             )
     checked = [name for name in MUST_AGREE if name in param_diff]
     agree = all(param_diff[n] <= PARAM_ATOL and loss_diff[n] <= LOSS_ATOL for n in checked)
-    return {"param_max_abs_diff": param_diff, "loss_max_abs_diff": loss_diff, "agree": agree}
+    found = {"param_max_abs_diff": param_diff, "loss_max_abs_diff": loss_diff, "agree": agree}
+    pair = [r.get("compressed_pair_diff") for r in ranks]
+    if all(diff is not None for diff in pair):
+        found["compressed_sync_vs_overlap"] = max(pair)
+        found["agree"] = agree and max(pair) <= PARAM_ATOL
+    return found
+
+
+INT8_TAG = "int8g+int8p"
+"""The tag of int8 grads and int8 params, the wire the link's step time target is for."""
+
+BYTES_TARGETS = {INT8_TAG: 0.30, "bf16g": 0.80}
+"""The compressed wire's targets, bytes per step against the exact mode's, by compression tag;
+on an emulated link, overlap with :data:`INT8_TAG` has a step time target of 0.40x DDP's, and
+on loopback every compressed mode one of 1.10x its exact mode's."""
 
 
 def targets(run: dict, single_rank: dict | None, emulated_link: bool) -> list[Target]:
@@ -333,6 +378,17 @@ def targets(run: dict, single_rank: dict | None, emulated_link: bool) -> list[Ta
         ratio("overlap", "ddp", 1.00)
         ratio("overlap", "sync", 0.93)
     ratio("overlap", "zero", 0.90)
+    for name in modes:
+        base, tag = split_mode(name)
+        if not tag or base not in modes or run["world_size"] == 1:
+            continue
+        if tag in BYTES_TARGETS:
+            sent = modes[name]["sent_bytes_per_step"] / modes[base]["sent_bytes_per_step"]
+            found.append(Target(f"{name} / {base} bytes sent per step", sent, BYTES_TARGETS[tag]))
+        if emulated_link and base == "overlap" and tag == INT8_TAG:
+            ratio(name, "ddp", 0.40)
+        elif not emulated_link:
+            ratio(name, base, 1.10)
     if "ddp" in modes and "sync" in modes and run["world_size"] > 1:
         unsharded = modes["ddp"]["state_bytes_per_rank"]
         found.append(
@@ -353,10 +409,10 @@ def targets(run: dict, single_rank: dict | None, emulated_link: bool) -> list[Ta
 
 
 def mode_table(run: dict) -> str:
-    """Fixed-width table of one run, one line per mode."""
+    """Fixed-width table of one run, one line per mode; ``sent MiB`` is :data:`SENT_NOTE`."""
     header = (
-        f"{'mode':32} {'median ms':>9} {'p10-p90 ms':>13} {'steady ms':>9} {'tok/s':>8} {'vs sync':>7} "
-        f"{'state MiB':>9} {'peak MiB':>8} {'wire MiB':>8} {'loss':>13}"
+        f"{'mode':{LABEL_WIDTH}} {'median ms':>9} {'p10-p90 ms':>13} {'steady ms':>9} {'tok/s':>8} "
+        f"{'vs sync':>7} {'state MiB':>9} {'peak MiB':>8} {'sent MiB':>9} {'loss':>13}"
     )
     rows = [
         _mode_row(mode_label(name, run.get("optimizer", "adamw")), stats)
@@ -372,16 +428,72 @@ def _mode_row(name_label: str, s: dict) -> str:
     loss = f"{s['first_loss']:.2f}->{s['final_loss']:.3f}" if "final_loss" in s else "-"
     ratio = f"{s['ratio_vs_sync']:.3f}" if "ratio_vs_sync" in s else "-"
     steady = f"{s['steady_median_s'] * 1e3:.1f}" if "steady_median_s" in s else "-"
+    sent = s.get("sent_bytes_per_step", s["comm_bytes"]["wire_per_rank"]) / MIB
+    sent_text = f"{sent:.2f}" if s.get("sent_measured") else f"{sent:.2f}*"
     return (
-        f"{name_label:32} {s['median_s'] * 1e3:9.1f} {spread_ms:>13} {steady:>9} {s['tokens_per_s']:8.0f} "
-        f"{ratio:>7} {state:>9} {peak:>8} {s['comm_bytes']['wire_per_rank'] / MIB:8.2f} {loss:>13}"
+        f"{name_label:{LABEL_WIDTH}} {s['median_s'] * 1e3:9.1f} {spread_ms:>13} {steady:>9} "
+        f"{s['tokens_per_s']:8.0f} {ratio:>7} {state:>9} {peak:>8} {sent_text:>9} {loss:>13}"
     )
+
+
+LABEL_WIDTH = 36
+"""The mode column of :func:`mode_table`: room for a compressed mode's label."""
+
+
+def mode_names(runs: list[dict]) -> list[str]:
+    """The measured modes of ``runs`` (not the pseudo-modes), in the order they ran."""
+    names = dict.fromkeys(name for run in runs for name in run["modes"])
+    return [name for name in names if name not in PSEUDO_MODES]
+
+
+def compressed_ratios(run: dict) -> dict[str, dict[str, float]]:
+    """Per compressed mode (``overlap+TAG``): its bytes per step over its exact mode's and over
+    DDP's, and per timing method its step time over its exact mode's and over DDP's (keys
+    ``bytes_vs_exact``, ``bytes_vs_ddp``, ``steady_vs_exact``, ``block_vs_ddp``, ...)."""
+    modes = run["modes"]
+    found: dict[str, dict[str, float]] = {}
+    for name, stats in modes.items():
+        base, tag = split_mode(name)
+        if not tag or base not in modes:
+            continue
+        ratios = {"bytes_vs_exact": stats["sent_bytes_per_step"] / modes[base]["sent_bytes_per_step"]}
+        if "ddp" in modes and modes["ddp"]["sent_bytes_per_step"]:
+            ratios["bytes_vs_ddp"] = stats["sent_bytes_per_step"] / modes["ddp"]["sent_bytes_per_step"]
+        for method, key in METHODS.items():
+            if key in stats:
+                ratios[f"{method}_vs_exact"] = stats[key] / modes[base][key]
+                if "ddp" in modes:
+                    ratios[f"{method}_vs_ddp"] = stats[key] / modes["ddp"][key]
+        found[name] = ratios
+    return found
+
+
+def compressed_lines(run: dict) -> list[str]:
+    """:func:`compressed_ratios` in words: bytes, then each timing method's step time ratios."""
+    ratios = compressed_ratios(run)
+    if not ratios:
+        return []
+    modes = run["modes"]
+    lines = []
+    for name, found in ratios.items():
+        base = split_mode(name)[0]
+        sent = modes[name]["sent_bytes_per_step"] / MIB
+        text = f"{name}: sent {sent:.2f} MiB/step/rank = {found['bytes_vs_exact']:.3f}x {base}"
+        if "bytes_vs_ddp" in found:
+            text += f", {found['bytes_vs_ddp']:.3f}x DDP's (computed)"
+        for method in METHODS:
+            if f"{method}_vs_exact" in found:
+                text += f"; {method} step {found[f'{method}_vs_exact']:.3f}x {base}"
+                if f"{method}_vs_ddp" in found:
+                    text += f", {found[f'{method}_vs_ddp']:.3f}x DDP"
+        lines.append(text)
+    return lines
 
 
 def scaling_table(runs: list[dict]) -> str:
     """Per-rank and total throughput per mode and world size, and speedup over one rank."""
-    lines = [f"{'mode':32} {'ranks':>5} {'tok/s/rank':>10} {'tok/s total':>11} {'speedup':>7}"]
-    for name in MODES:
+    lines = [f"{'mode':{LABEL_WIDTH}} {'ranks':>5} {'tok/s/rank':>10} {'tok/s total':>11} {'speedup':>7}"]
+    for name in mode_names(runs):
         base = next((r["modes"][name]["tokens_per_s"] for r in runs if r["world_size"] == 1), None)
         for run in runs:
             if name not in run["modes"]:
@@ -389,7 +501,7 @@ def scaling_table(runs: list[dict]) -> str:
             s = run["modes"][name]
             speedup = f"{s['tokens_per_s'] / base:7.2f}" if base else f"{'-':>7}"
             lines.append(
-                f"{mode_label(name, run.get('optimizer', 'adamw')):32} {run['world_size']:5d} "
+                f"{mode_label(name, run.get('optimizer', 'adamw')):{LABEL_WIDTH}} {run['world_size']:5d} "
                 f"{s['tokens_per_s_per_rank']:10.0f} {s['tokens_per_s']:11.0f} {speedup}"
             )
     return "\n".join(lines)

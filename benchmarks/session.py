@@ -18,17 +18,20 @@ from tqdm import tqdm
 from benchmarks.data import DataConfig, RankBatches, stdlib_corpus
 from benchmarks.modes import (
     COMM_ONLY,
+    COMPRESSIBLE,
     COMPUTE_ONLY,
     MODES,
     PSEUDO_MODES,
     AdamWConfig,
     CommOnlyRunner,
+    Compression,
     ModeSpec,
     MuonConfig,
     Runner,
     build_compute_runner,
     build_runner,
     comm_bytes_per_step,
+    split_mode,
 )
 from benchmarks.netns import LinkConfig, link_group, link_tx_bytes
 from benchmarks.step_split import StepClock, block_split, step_clock
@@ -78,6 +81,9 @@ class RunConfig:
     """``torch.compile`` backend for every mode's forward (``--compile``); None: eager."""
     cpu_ranks: bool = False
     """Run the ranks on CPU even where an accelerator is visible (fewer devices than ranks)."""
+    compression: Compression = Compression()
+    """The wire of the compressed modes among ``modes`` (``--grad-compression``,
+    ``--param-compression``); every other mode is exact."""
 
     @property
     def total_steps(self) -> int:
@@ -121,15 +127,18 @@ def _compare(config: RunConfig, clock: StepClock | None) -> dict:
     show = rank == 0
     splits: dict[str, dict[str, list[float]]] = {name: {} for name in runners}
     short = batches[config.warmup : short_end]
+    sent: dict[str, dict[str, int]] = {}
     times = _timed_rounds(
-        runners, short, config.steps_per_round, losses, group, show, clock=clock, splits=splits
+        runners, short, config.steps_per_round, losses, group, show, clock=clock, splits=splits, sent=sent
     )
     link_bytes: dict[str, list[float]] = {name: [] for name in runners}
     steady_splits: dict[str, dict[str, list[float]]] = {name: {} for name in runners}
     steady = _timed_rounds(
         runners, batches[short_end:], config.steady_steps, losses, group, show, config.link, link_bytes,
-        clock=clock, splits=steady_splits,
+        clock=clock, splits=steady_splits, sent=sent,
     )  # fmt: skip
+    timed_steps = len(short) // config.steps_per_round * config.steps_per_round
+    timed_steps += len(batches[short_end:]) // config.steady_steps * config.steady_steps
     result = {
         "rank": rank,
         "world_size": world_size,
@@ -140,6 +149,11 @@ def _compare(config: RunConfig, clock: StepClock | None) -> dict:
         "comm_bytes": {name: comm_bytes_per_step(r, world_size) for name, r in runners.items()},
         "num_params": sum(p.numel() for p in next(iter(runners.values())).model.parameters()),
         "agreement": _param_agreement(runners),
+        "compressed_pair_diff": _compressed_pair_diff(runners),
+        # What the wrapper's modes sent per timed step, counted from their payloads.
+        "wire_bytes_per_step": {
+            name: {kind: total / timed_steps for kind, total in kinds.items()} for name, kinds in sent.items()
+        },
         "buckets": _bucket_sizes(runners),
         "rss_bytes": psutil.Process().memory_info().rss,
     }
@@ -200,6 +214,7 @@ def _mode_spec(config: RunConfig, group: ProcessGroup) -> ModeSpec:
         config.optimizer,
         config.muon,
         config.compile_backend,
+        config.compression,
     )
 
 
@@ -228,29 +243,37 @@ def _timed_rounds(
     link_bytes: dict[str, list[float]] | None = None,
     clock: StepClock | None = None,
     splits: dict[str, dict[str, list[float]]] | None = None,
+    sent: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, list[float]]:
     """Per-step seconds of each block: A B C D A B C D ..., each block ``k`` steps long (one
     round per ``k`` batches) and ending with ``settle`` so its in-flight work is charged to it.
     With ``link`` and ``link_bytes``, also the bytes per step this rank's node sent over the
     emulated link during each block; with ``clock`` and ``splits``, what the clock added up per
-    step of each block (``splits[mode][key]``, one value per block)."""
+    step of each block (``splits[mode][key]``, one value per block); with ``sent``, the bytes
+    each wrapper mode's blocks sent (``Runner.wire_bytes``) are added to ``sent[mode][kind]``,
+    read outside the timed span."""
     times: dict[str, list[float]] = {name: [] for name in runners}
     bar = tqdm(range(len(batches) // k), desc=f"rounds of {k} steps", disable=not show, leave=False)
     for round_index in bar:
         block = batches[round_index * k : (round_index + 1) * k]
         for name, runner in runners.items():
             dist.barrier(group)
-            sent = link_tx_bytes(link) if link is not None else 0
+            wire_before = runner.wire_bytes() if sent is not None else None
+            tx_before = link_tx_bytes(link) if link is not None else 0
             before = clock.read() if clock is not None else {}
             start = time.perf_counter()
             block_losses = [runner.step(inputs, targets) for inputs, targets in block]
             runner.settle()
             times[name].append((time.perf_counter() - start) / k)
+            if sent is not None and wire_before is not None:
+                totals = sent.setdefault(name, dict.fromkeys(wire_before, 0))
+                for kind, value in runner.wire_bytes().items():
+                    totals[kind] += value - wire_before[kind]
             if clock is not None and splits is not None:
                 for key, value in block_split(before, clock.read(), k).items():
                     splits[name].setdefault(key, []).append(value)
             if link is not None and link_bytes is not None:
-                link_bytes[name].append((link_tx_bytes(link) - sent) / k)
+                link_bytes[name].append((link_tx_bytes(link) - tx_before) / k)
             losses[name].extend(loss.item() for loss in block_losses)
         if show:
             bar.set_postfix_str(_loss_postfix(losses))
@@ -260,21 +283,32 @@ def _timed_rounds(
 def _loss_postfix(losses: dict[str, list[float]]) -> str:
     """The progress bar's postfix: each mode's training loss after its latest step, labelled."""
     last = ", ".join(
-        f"{name} {values[-1]:.3f}" for name, values in losses.items() if name in MODES and values
+        f"{name} {values[-1]:.3f}" for name, values in losses.items() if name not in PSEUDO_MODES and values
     )
     return f"last loss: {last}"
 
 
 def _param_agreement(runners: dict[str, Runner]) -> dict[str, float]:
-    """Max abs param difference of every mode against DDP's (the reference)."""
+    """Max abs param difference of every mode against DDP's (the reference), the compressed
+    modes' included (their distance, which is not meant to be 0)."""
     if "ddp" not in runners:
         return {}
     reference = runners["ddp"].flat_params()
     return {
         name: (runner.flat_params() - reference).abs().max().item()
         for name, runner in runners.items()
-        if name in MODES and name != "ddp"
+        if name not in PSEUDO_MODES and name != "ddp"
     }
+
+
+def _compressed_pair_diff(runners: dict[str, Runner]) -> float | None:
+    """Max abs param difference between the compressed sync and overlap modes, which must be 0
+    (Note [Compressed wire] in ``sharded_opt/comm/compression.py``); None unless both ran."""
+    pair = [name for name in runners if split_mode(name)[1] and split_mode(name)[0] in COMPRESSIBLE]
+    if len(pair) != 2:
+        return None
+    first, second = (runners[name].flat_params() for name in pair)
+    return (first - second).abs().max().item()
 
 
 def _bucket_sizes(runners: dict[str, Runner]) -> list[int]:

@@ -1,7 +1,8 @@
 """Tests for the comparison benchmark's methods (``benchmarks.compare``/``report``/``session``):
 steady-state timing beside block timing, the compute-only pseudo-mode and the ratios built on it,
-the comm-bound preset, ``auto`` bucket sizes and ``--profile``. Nothing here looks at a time's
-value beyond arithmetic on made-up numbers."""
+the comm-bound preset, ``auto`` bucket sizes, ``--profile`` and the compressed wire's modes
+beside the exact ones. Nothing here looks at a time's value beyond arithmetic on made-up
+numbers."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from benchmarks import compare, netns, plots, report, session, setting
-from benchmarks.modes import COMM_ONLY, COMPUTE_ONLY
+from benchmarks.modes import COMM_ONLY, COMPUTE_ONLY, Compression, label
 
 MS = 1e-3
 
@@ -394,3 +395,107 @@ def test_sigterm_handler_lasts_only_as_long_as_the_run():
     with compare._stop_on_sigterm():
         assert signal.getsignal(signal.SIGTERM) is not before
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+INT8 = "int8g+int8p"
+
+
+def test_compression_flags_add_compressed_sync_and_overlap_beside_the_exact_modes(capsys):
+    plan = compare.parse_args(["--grad-compression", "int8", "--param-compression", "int8"], LOOPBACK_ONLY)
+    assert plan.base.modes == ("ddp", "zero", "sync", "overlap", f"sync+{INT8}", f"overlap+{INT8}")
+    assert plan.base.compression == Compression("int8", "int8")
+    bf16 = compare.parse_args(["--grad-compression", "bf16", "--modes", "ddp,overlap"], LOOPBACK_ONLY)
+    assert bf16.base.modes == ("ddp", "overlap", "overlap+bf16g")
+    assert (
+        compare.parse_args(["--param-compression", "int8"], LOOPBACK_ONLY).base.modes[-1] == "overlap+int8p"
+    )
+    assert compare.parse_args([], LOOPBACK_ONLY).base.compression.exact
+    assert label(f"overlap+{INT8}") == f"ShardingStage1 overlap +{INT8}"
+    for argv, said in [
+        (["--grad-compression", "int8", "--modes", "ddp"], "compress the modes sync,overlap: run one"),
+        (["--param-compression", "bf16"], "invalid choice: 'bf16'"),
+    ]:
+        with pytest.raises(SystemExit):
+            compare.parse_args(argv, LOOPBACK_ONLY)
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare.parse_args(
+            ["--grad-compression", "bf16"], compare.Machine("cuda", 2, lambda world_sizes: None)
+        )
+    assert "runs on CPU ranks (gloo) only" in capsys.readouterr().err
+
+
+def _compressed_ranks() -> list[dict]:
+    """Two ranks' raw results with the int8 wire beside the exact modes: exact sync and overlap
+    send 100 bytes a step, compressed 25; DDP's bytes are its ring estimate, 100."""
+    block = {"ddp": 0.400, "sync": 0.500, "overlap": 0.420, f"sync+{INT8}": 0.300, f"overlap+{INT8}": 0.150}
+    ranks = _ranks({k: [v] * 3 for k, v in block.items()}, {k: [v] * 3 for k, v in block.items()})
+    for r in ranks:
+        r["comm_bytes"] = {name: {"payload": 100.0, "wire_per_rank": 100.0} for name in block}
+        r["wire_bytes_per_step"] = {
+            name: {"grads": sent / 2, "params": sent / 2, "replicas": 0.0, "total": sent}
+            for name, sent in (
+                ("sync", 100.0),
+                ("overlap", 100.0),
+                (f"sync+{INT8}", 25.0),
+                (f"overlap+{INT8}", 25.0),
+            )
+        }
+        r["agreement"].update({f"sync+{INT8}": 0.01, f"overlap+{INT8}": 0.01})
+        r["compressed_pair_diff"] = 0.0
+    return ranks
+
+
+def test_compressed_modes_report_bytes_and_ratios_and_are_not_held_to_ddp_params():
+    run = report.summarize_run(_compressed_ranks(), {}, 1024)
+    modes = run["modes"]
+    assert modes[f"overlap+{INT8}"]["sent_measured"] and not modes["ddp"]["sent_measured"]
+    assert modes[f"overlap+{INT8}"]["sent_bytes_per_step"] == 25.0
+    ratios = report.compressed_ratios(run)[f"overlap+{INT8}"]
+    assert ratios["bytes_vs_exact"] == pytest.approx(0.25) and ratios["bytes_vs_ddp"] == pytest.approx(0.25)
+    # The slowest rank's (rank 1, +1 ms) medians.
+    assert ratios["steady_vs_ddp"] == pytest.approx(0.151 / 0.401)
+    assert ratios["steady_vs_exact"] == pytest.approx(0.151 / 0.421)
+    # 0.01 from DDP's params: reported for the compressed modes, not a disagreement.
+    assert run["agreement"]["agree"] and run["agreement"]["compressed_sync_vs_overlap"] == 0.0
+    lines = compare.agreement_lines(run["agreement"])
+    assert "modes ddp/sync/overlap agree" in lines[0] and "reported, not checked" in lines[1]
+    assert lines[2].endswith("bitwise equal")
+    table = report.mode_table(run)
+    assert f"ShardingStage1 overlap +{INT8}" in table and "0.00*" in table  # DDP's bytes: computed
+    text = report.compressed_lines(run)
+    assert text[1].startswith(f"overlap+{INT8}: sent 0.00 MiB/step/rank = 0.250x overlap, 0.250x DDP's")
+    targets = {t.name: t for t in report.targets(run, None, emulated_link=True)}
+    assert targets[f"overlap+{INT8} / overlap bytes sent per step"].limit == 0.30
+    assert targets[f"overlap+{INT8} / ddp step time (steady)"].limit == 0.40
+    assert f"sync+{INT8} / ddp step time (steady)" not in targets  # overlap's target only
+    loopback = {t.name: t for t in report.targets(run, None, emulated_link=False)}
+    assert loopback[f"sync+{INT8} / sync step time (steady)"].limit == 1.10
+    assert f"overlap+{INT8} / ddp step time (steady)" not in loopback
+    # A compressed sync that left the compressed overlap is a disagreement.
+    ranks = _compressed_ranks()
+    ranks[1]["compressed_pair_diff"] = 1e-3
+    assert not report.summarize_run(ranks, {}, 1024)["agreement"]["agree"]
+
+
+def test_tiny_run_measures_the_compressed_wire_beside_the_exact_one(tmp_path, capsys):
+    """End to end on the tiny GPT, 2 ranks on loopback: the int8 wire's modes run beside the
+    exact ones, their bytes are counted from the payloads (a quarter of the exact wire's and
+    its int8 scales), and the run still agrees."""
+    argv = ["--model", "tiny", "--preset", "loopback", "--modes", "ddp,sync", "--warmup", "1",
+            "--rounds", "2", "--steps-per-round", "1", "--steady-rounds", "2", "--steady-steps", "1",
+            "--no-memory", "--grad-compression", "int8", "--param-compression", "int8",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert compare.main(argv) == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
+    run = payload["runs"][0]
+    assert set(run["modes"]) == {"ddp", "sync", f"sync+{INT8}", COMM_ONLY, COMPUTE_ONLY}
+    sync, compressed = run["modes"]["sync"], run["modes"][f"sync+{INT8}"]
+    assert sync["sent_measured"] and compressed["sent_measured"] and not run["modes"]["ddp"]["sent_measured"]
+    assert sync["sent_by_kind"]["grads"] == sync["sent_by_kind"]["params"] > 0
+    ratio = run["compressed_ratios"][f"sync+{INT8}"]["bytes_vs_exact"]
+    assert 0.25 < ratio <= 0.30
+    assert run["agreement"]["agree"] and run["agreement"]["param_max_abs_diff"][f"sync+{INT8}"] > 0
+    assert payload["compressed"][0].startswith(f"sync+{INT8}: sent")
+    out = capsys.readouterr().out
+    assert f"ShardingStage1 sync +{INT8}" in out and "Compressed wire (grads int8, params int8)" in out
