@@ -241,8 +241,7 @@ def apply_delta(replica: Tensor, row: Tensor, codec: Codec) -> None:
     with the same row on the same replica, so all get the same bits."""
     for start in range(0, codec.numel, CHUNK_NUMEL):
         end = min(start + CHUNK_NUMEL, codec.numel)
-        part = replica[start:end]
-        part.copy_(part.float().add_(codec.decode(row, start, end)))
+        _add_decoded(replica[start:end], codec.decode(row, start, end))
 
 
 @torch.no_grad()
@@ -253,10 +252,18 @@ def publish_delta(master: Tensor, replica: Tensor, published: Tensor, row: Tenso
     for start in range(0, codec.numel, CHUNK_NUMEL):
         end = min(start + CHUNK_NUMEL, codec.numel)
         part = replica[start:end]
-        widened = part.float()
-        codec.encode_range(master[start:end] - widened, row, start, end)
-        part.copy_(widened.add_(codec.decode(row, start, end)))
+        codec.encode_range(master[start:end] - part.float(), row, start, end)
+        _add_decoded(part, codec.decode(row, start, end))
         published[start:end].copy_(part)
+
+
+def _add_decoded(part: Tensor, decoded: Tensor) -> None:
+    """``part += decoded`` in fp32, rounded to ``part``'s dtype (in place for fp32 params): the
+    one arithmetic every rank applies a delta with."""
+    if part.dtype == torch.float32:
+        part.add_(decoded)
+    else:
+        part.copy_(part.float().add_(decoded))
 
 
 def all_gather_deltas(
