@@ -36,9 +36,7 @@ def plot_step_times(runs: list[dict], path: Path) -> None:
     axes.set_xticklabels([mode_label(n, optimizer) for n in names], rotation=15, ha="right", fontsize=8)
     axes.set_ylabel("step time, ms (median, p10-p90)")
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    _save(figure, path)
 
 
 def plot_scaling(runs: list[dict], path: Path) -> None:
@@ -52,12 +50,8 @@ def plot_scaling(runs: list[dict], path: Path) -> None:
                 marker="o",
                 label=mode_label(name, runs[0].get("optimizer", "adamw")),
             )
-    axes.set_xlabel("ranks")
-    axes.set_ylabel("tokens/s (all ranks)")
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    _label(axes, "ranks", "tokens/s (all ranks)")
+    _save(figure, path)
 
 
 COMPUTE_PHASES = {"forward": "tab:blue", "backward": "tab:orange", "optimizer.step": "tab:green"}
@@ -117,9 +111,7 @@ def plot_timeline(events: list[dict], path: Path) -> None:
     ]
     axes.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3)
     axes.set_xlabel("ms since the step began (rank 0)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    _save(figure, path)
 
 
 def running_mean(values: list[float], window: int) -> list[float]:
@@ -142,9 +134,17 @@ def plot_convergence(settings: dict[str, dict], path: Path) -> None:
     train_axes.set_title(f"training loss (mean of the last {window} steps)", fontsize=9)
     heldout_axes.set_title("held-out loss (last tenth of the text)", fontsize=9)
     for axes in (train_axes, heldout_axes):
-        axes.set_xlabel("step")
-        axes.set_ylabel("cross-entropy, nats per byte")
-        axes.legend(fontsize=8)
+        _label(axes, "step", "cross-entropy, nats per byte")
+    _save(figure, path)
+
+
+def _label(axes, xlabel: str, ylabel: str) -> None:
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.legend(fontsize=8)
+
+
+def _save(figure, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -391,15 +391,21 @@ def _scaler_skips_an_inf_step() -> dict:
     return {"skipped": skipped, "agreed": _all_equal(_digest(model))}
 
 
-def _user_writes_reach_the_master() -> dict[str, bool]:
-    """Steps of lr=0 change no master: the params catch up with their masters (the next delta
-    carries the last one's rounding error), and a param written after wrapping keeps the write."""
+def _trained_int8(steps: int) -> tuple[nn.Module, ShardingStage1]:
+    """A model and its int8+int8 wrapper after ``steps`` steps on random inputs."""
     model = _model(Run("int8"))
     opt = _wrapper(Run("int8"), model)
-    for _ in range(2):
+    for _ in range(steps):
         model(torch.randn(4, 16)).sum().backward()
         opt.step()
         opt.zero_grad()
+    return model, opt
+
+
+def _user_writes_reach_the_master() -> dict[str, bool]:
+    """Steps of lr=0 change no master: the params catch up with their masters (the next delta
+    carries the last one's rounding error), and a param written after wrapping keeps the write."""
+    model, opt = _trained_int8(steps=2)
     for group in opt.param_groups:
         group["lr"] = 0.0
     shards = opt.shards.live_shards()
@@ -428,12 +434,7 @@ def _user_writes_reach_the_master() -> dict[str, bool]:
 
 def _checkpoint_rebuilds_replicas(folder: str) -> dict:
     """The exact master is saved; a load rebuilds every rank's params exactly from it."""
-    model = _model(Run("int8"))
-    opt = _wrapper(Run("int8"), model)
-    for _ in range(3):
-        model(torch.randn(4, 16)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt = _trained_int8(steps=3)
     masters = [shard.master.clone() for shard in opt.shards.live_shards()]
     trailed = any(not torch.equal(s.master, s.param_view) for s in opt.shards.live_shards())
     save_checkpoint(Path(folder) / "ckpt", model, opt)
