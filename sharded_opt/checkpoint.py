@@ -256,7 +256,7 @@ class _LoadPlan:
                 if shard.published is None:
                     shard.refresh_master()
         # Params shared as deltas trail their masters: rebuild them exactly from the loaded ones.
-        republish_exactly(shards.buckets, shards.comm)
+        republish_exactly(shards.buckets)
 
 
 def _parse_state_name(name: str) -> tuple[int, str | None] | None:

@@ -36,6 +36,11 @@ class BucketWire:
         self._param_codec = None
         if comm.param_compression is not None:
             self._param_codec = compression.make_codec(comm.param_compression, shard_numel)
+        self._replica_codec = None
+        """The reduced shard's codes across replicas (fp32 whatever the params' dtype, so bf16
+        compresses it even where the grads travel exact)."""
+        if comm.replicate_group is not None and comm.grad_compression is not None:
+            self._replica_codec = compression.make_codec(comm.grad_compression, shard_numel)
 
     @property
     def publishes_deltas(self) -> bool:
@@ -89,12 +94,10 @@ class BucketWire:
     def _average_replicas_after(self, work: Work | Future | None, reduced: Tensor) -> Work | Future | None:
         """Average the reduced shard over the replicate group once ``work`` wrote it (Note
         [Hybrid sharding] in ``hybrid_groups``), compressed as the grads are."""
-        comm = self._comm
+        comm, codec = self._comm, self._replica_codec
         group = comm.replicate_group
         assert group is not None
-        codec = None
-        if comm.grad_compression is not None:
-            codec = compression.make_codec(comm.grad_compression, reduced.numel())
+        if codec is not None:
             comm.wire.replicas += compression.payload_bytes(codec, group.size())
         else:
             comm.wire.replicas += 2 * _sent_by_each(reduced, group.size())

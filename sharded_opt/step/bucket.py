@@ -68,7 +68,6 @@ from torch.futures import Future
 
 from fusion.buffers import FlatBuffers
 from fusion.layout import BucketPlan
-from sharded_opt.comm import collectives
 from sharded_opt.comm.bucket_wire import BucketWire
 from sharded_opt.comm.comm_context import CommContext
 from sharded_opt.comm.streams import (
@@ -392,7 +391,7 @@ def start_param_syncs(buckets: list[Bucket], comm: CommContext) -> None:
 
 
 @torch.no_grad()
-def republish_exactly(buckets: list[Bucket], comm: CommContext) -> None:
+def republish_exactly(buckets: list[Bucket]) -> None:
     """Rebuild every rank's params exactly from the owners' masters, with uncompressed
     all-gathers (collective): after a checkpoint's masters were loaded, when params are shared
     as compressed deltas (Note [Compressed wire] in ``compression``)."""
@@ -403,4 +402,4 @@ def republish_exactly(buckets: list[Bucket], comm: CommContext) -> None:
         shard.write_back()
         assert shard.published is not None
         shard.published.copy_(shard.param_view)
-        collectives.all_gather(bucket.param_buffer, shard.param_view, comm.group, async_op=False)
+        wait_comm([bucket._wire.gather(bucket.param_buffer, shard.param_view)])

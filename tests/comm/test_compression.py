@@ -8,6 +8,7 @@ scaler, clipping, accumulation, whole-param owners, user writes and checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
@@ -231,7 +232,7 @@ def _train(run: Run) -> dict:
             )
         )
         for index, (xs, ys) in enumerate(micro):
-            context = opt.no_sync() if index < len(micro) - 1 else _nothing()
+            context = opt.no_sync() if index < len(micro) - 1 else contextlib.nullcontext()
             with context:
                 loss = nn.functional.mse_loss(model(xs.to(dtype)).float(), ys)
                 loss.backward()
@@ -252,14 +253,6 @@ def _train(run: Run) -> dict:
     }
     opt.close()
     return result
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: object) -> None:
-        return None
 
 
 TWO_RANK_RUNS = [
