@@ -70,9 +70,11 @@ INT8_BLOCK_NUMEL = 256
 magnitude of a layer's values (one large grad costs precision to its 255 neighbours only), large
 enough that the fp32 scales add 1.6 % to the int8 codes' bytes (Note [Compressed wire])."""
 
-CHUNK_NUMEL = 256 * INT8_BLOCK_NUMEL
-"""Elements encoded or decoded per pass: a chunk's temporaries (N fp32 rows when summing) stay
-small, and each pass's fixed cost is spread over enough elements."""
+CHUNK_NUMEL = 1 << 18
+"""Elements encoded or decoded per pass. Every op of a pass costs some microseconds of dispatch
+whatever its length, as much as the arithmetic at 64 Ki elements; longer passes measured slower
+again in the owner's delta publish, whose several 4 MiB temporaries per pass at 1 Mi went back
+to the kernel in between and faulted their pages in anew."""
 
 SMALLEST_INVERTED = 1e-36
 """Absolute maxima are clamped to at least this before 127 is divided by them, so the inverse
@@ -146,40 +148,47 @@ class Int8BlockCodec:
     def encode_range(self, values: Tensor, row: Tensor, start: int, end: int) -> None:
         scales, codes = self._parts(row)
         first = start // INT8_BLOCK_NUMEL
-        chunk = values.float()
         full = (end - start) // INT8_BLOCK_NUMEL * INT8_BLOCK_NUMEL
         if full:
             _quantize_blocks(
-                chunk[:full].view(-1, INT8_BLOCK_NUMEL),
+                values[:full].view(-1, INT8_BLOCK_NUMEL),
                 scales[first : first + full // INT8_BLOCK_NUMEL],
                 codes[start : start + full].view(-1, INT8_BLOCK_NUMEL),
             )
         if full < end - start:  # the slice's last, partial block
-            _quantize_blocks(chunk[full:].view(1, -1), scales[-1:], codes[start + full : end].view(1, -1))
+            _quantize_blocks(values[full:].view(1, -1), scales[-1:], codes[start + full : end].view(1, -1))
 
     def decode(self, row: Tensor, start: int, end: int) -> Tensor:
         scales, codes = self._parts(row)
         first = start // INT8_BLOCK_NUMEL
-        out = codes[start:end].to(torch.float32)
+        out = torch.empty(end - start, dtype=torch.float32, device=row.device)
         full = (end - start) // INT8_BLOCK_NUMEL * INT8_BLOCK_NUMEL
         if full:
-            out[:full].view(-1, INT8_BLOCK_NUMEL).mul_(scales[first : first + full // INT8_BLOCK_NUMEL, None])
+            blocks = full // INT8_BLOCK_NUMEL
+            torch.mul(
+                codes[start : start + full].view(blocks, INT8_BLOCK_NUMEL),
+                scales[first : first + blocks, None],
+                out=out[:full].view(blocks, INT8_BLOCK_NUMEL),
+            )
         if full < end - start:
-            out[full:].mul_(scales[first + full // INT8_BLOCK_NUMEL])
+            torch.mul(codes[start + full : end], scales[first + full // INT8_BLOCK_NUMEL], out=out[full:])
         return out
 
 
 def _quantize_blocks(values: Tensor, scales: Tensor, codes: Tensor) -> None:
-    """Each row of ``values`` as codes of ``scales``' entry: absmax / 127, rounded to nearest even.
+    """Each row of ``values`` (fp32 or a 16-bit float) as codes of ``scales``' entry: absmax /
+    127, rounded to nearest even.
 
-    Codes stay within [-127, 127] without a clamp: the largest magnitude maps to 127 up to a
-    rounding of the product. In a row holding an inf or a nan the codes are whatever the cast
-    makes of non-finite products: the row's scale is non-finite, so it decodes to inf or nan
-    alone, whatever its codes (every decoder reads the same codes)."""
-    absmax = values.abs().amax(dim=1)
+    The absolute maximum is the larger of the row's maximum and its negated minimum: two
+    reductions without the full-size temporary of ``abs()``. Codes stay within [-127, 127]
+    without a clamp: the largest magnitude maps to 127 up to a rounding of the product. In a row
+    holding an inf or a nan the codes are whatever the cast makes of non-finite products: the
+    row's scale is non-finite, so it decodes to inf or nan alone, whatever its codes (every
+    decoder reads the same codes)."""
+    absmax = torch.maximum(values.amax(dim=1), values.amin(dim=1).neg_()).float()
     torch.div(absmax, 127.0, out=scales)
     inverse = absmax.clamp_min_(SMALLEST_INVERTED).reciprocal_().mul_(127.0)
-    codes.copy_(values.mul(inverse[:, None]).round_())
+    codes.copy_(torch.mul(values, inverse[:, None]).round_())  # 16-bit values promote to fp32
 
 
 def make_codec(compression: str, numel: int) -> Codec:
@@ -222,16 +231,15 @@ def reduce_scatter_compressed(
 
 @torch.no_grad()
 def _average_parts(output: Tensor, world_size: int, part: Callable[[int, int, int], Tensor]) -> None:
-    """``output`` = the mean of ``part(peer, ...)`` over the peers, summed in fp32 in rank order,
-    a chunk of columns at a time."""
-    numel = output.numel()
-    rows = torch.empty(world_size, min(CHUNK_NUMEL, numel), dtype=torch.float32)
-    for start in range(0, numel, CHUNK_NUMEL):
-        end = min(start + CHUNK_NUMEL, numel)
-        chunk = rows[:, : end - start]
-        for peer in range(world_size):
-            chunk[peer] = part(peer, start, end)
-        torch.sum(chunk, dim=0, out=output[start:end])
+    """``output`` = the mean of ``part(peer, ...)`` over the peers: summed in fp32 in rank order
+    (a left fold: ``((part 0 + part 1) + part 2) + ...``), a chunk of elements at a time, then
+    divided by the number of peers."""
+    for start in range(0, output.numel(), CHUNK_NUMEL):
+        end = min(start + CHUNK_NUMEL, output.numel())
+        total = output[start:end]
+        total.copy_(part(0, start, end))
+        for peer in range(1, world_size):
+            total.add_(part(peer, start, end))
     output.div_(world_size)
 
 
@@ -252,7 +260,7 @@ def publish_delta(master: Tensor, replica: Tensor, published: Tensor, row: Tenso
     for start in range(0, codec.numel, CHUNK_NUMEL):
         end = min(start + CHUNK_NUMEL, codec.numel)
         part = replica[start:end]
-        codec.encode_range(master[start:end] - part.float(), row, start, end)
+        codec.encode_range(master[start:end] - part, row, start, end)  # a 16-bit part promotes
         _add_decoded(part, codec.decode(row, start, end))
         published[start:end].copy_(part)
 
@@ -263,7 +271,7 @@ def _add_decoded(part: Tensor, decoded: Tensor) -> None:
     if part.dtype == torch.float32:
         part.add_(decoded)
     else:
-        part.copy_(part.float().add_(decoded))
+        part.copy_(decoded.add_(part))
 
 
 def all_gather_deltas(

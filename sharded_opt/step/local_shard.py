@@ -128,7 +128,9 @@ class LocalShard:
         if master is None:
             return
         if self.published is not None:  # the replica trails the master: compare with what was written
-            stale = self.published != self.param_view
+            if _bitwise_equal(self.published, self.param_view):
+                return
+            stale = _bits(self.published) != _bits(self.param_view)
         else:
             stale = master.to(self.param_view.dtype) != self.param_view
         if master.device.type == "cpu" and not stale.any():  # on an accelerator .any() would sync
@@ -145,6 +147,18 @@ class LocalShard:
     def copy_reduced_to_stepped_grad(self) -> None:
         if self.stepped_grad is not self.reduced_grad:
             self.stepped_grad.copy_(self.reduced_grad)
+
+
+def _bits(tensor: Tensor) -> Tensor:
+    """``tensor``'s bits as integers of its width: compared, they tell any write, one of -0.0 over
+    0.0 or of a nan included, which a float comparison misses."""
+    return tensor.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
+def _bitwise_equal(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits (``torch.equal`` stops at the first difference
+    and builds no mask, so the common case, nothing written, costs one read of each)."""
+    return torch.equal(_bits(a), _bits(b))
 
 
 def build_local_shard(
