@@ -55,6 +55,11 @@ class BlockGrid:
         """Whether the optimizer keeps quantized state for a tensor of ``numel`` elements."""
         return numel >= self.min_numel and numel % self.block_size == 0
 
+    @property
+    def first_quantized_numel(self) -> int:
+        """The fewest elements of a tensor the optimizer quantizes."""
+        return _round_up(self.min_numel, self.block_size)
+
     def allows_cut(self, numel: int, at: int) -> bool:
         """Whether a param of ``numel`` elements may be cut ``at`` elements from its start (``0 <
         at < numel``), see Note [Cuts on quantization blocks]."""
@@ -120,7 +125,7 @@ def _first_bad_boundary(start: int, numel: int, shard: int, grid: BlockGrid) -> 
 
 def _cuttable(numel: int, grid: BlockGrid) -> bool:
     """Whether some cut of the param is allowed."""
-    first_cut = _round_up(grid.min_numel, grid.block_size)
+    first_cut = grid.first_quantized_numel
     return numel < grid.min_numel or (grid.quantizes(numel) and first_cut <= numel - grid.min_numel)
 
 

@@ -13,7 +13,10 @@ Note [Checkpoint layout]
     see Note [Whole params per owner] in ``fusion/layout.py``), the model's state dict (full
     tensors, the same on every rank)
     and hyperparameters (tensors whose entry name records the Python type: int stays int, a
-    Tensor lr stays a Tensor) are replicated entries that DCP writes once.
+    Tensor lr stays a Tensor) are replicated entries that DCP writes once. Quantized state
+    values (torchao's) are saved by their codes and scales, each a 1-D tensor of entries that a
+    rank writes the piece of as above, see Note [Quantized state in checkpoints] in
+    ``quantized_checkpoint``.
 
     Only tensors are stored: DCP unpickles non-tensor entries with ``weights_only=False``, so a
     checkpoint of ours never needs it, and loading never asks for a non-tensor entry.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +47,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from sharded_opt.guards.messages import closed_error
 from sharded_opt.state.checkpoint_pieces import ParamPiece, PieceLoadPlanner, PieceSavePlanner
+from sharded_opt.state.quantized_checkpoint import (
+    QuantizedLoad,
+    check_quantizer,
+    quantized_save_entries,
+    quantizer_entries,
+    saved_quantizer_entries,
+)
 from sharded_opt.state.state_dict import describe_param_states, local_pieces
 from sharded_opt.step.bucket import republish_exactly
 from sharded_opt.step.inner_optimizer import load_param_states, param_states
@@ -98,8 +109,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
 
     Raises:
         FileNotFoundError: ``path`` holds no complete checkpoint.
-        ValueError: the checkpoint belongs to another model or optimizer layout, or its files
-            are damaged.
+        ValueError: the checkpoint belongs to another model or optimizer layout, its state
+            was quantized by another optimizer class or block size (or this one quantizes and
+            it was not), or its files are damaged.
     """
     folder = Path(path)
     if not (folder / ".metadata").is_file():
@@ -114,6 +126,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
     try:
         _load(meta, reader, optimizer)
         saved = reader.read_metadata().state_dict_metadata
+        quantizer = saved_quantizer_entries(saved)
+        if quantizer:
+            _load(quantizer, reader, optimizer)
     except CheckpointException as error:
         raise ValueError(
             f"load_checkpoint: {folder} could not be read (damaged files, or not written by "
@@ -125,6 +140,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
             f"load_checkpoint: the checkpoint at {folder} holds {int(meta[_META_NUM_PARAMS])} optimizer "
             f"params but this optimizer has {num_params}; it belongs to another model"
         )
+    check_quantizer(folder, quantizer, optimizer.shards)
     plan = _LoadPlan(optimizer, saved)
     model_entries = {key: value.detach().clone() for key, value in _model_entries(model).items()}
     state = {**model_entries, **plan.entries}
@@ -159,7 +175,8 @@ def _model_entries(model: nn.Module) -> dict[str, Tensor]:
 def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ParamPiece]:
     """DCP entries for the optimizer, see Note [Checkpoint layout]."""
     entries: dict[str, Tensor | ParamPiece] = {
-        _META_NUM_PARAMS: torch.tensor(len(optimizer.shards.buffers.params), dtype=torch.int64)
+        _META_NUM_PARAMS: torch.tensor(len(optimizer.shards.buffers.params), dtype=torch.int64),
+        **quantizer_entries(optimizer.shards),
     }
     for group_index, group in enumerate(optimizer.param_groups):
         entries.update(_hyperparameter_entries(group_index, group))
@@ -169,19 +186,16 @@ def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ParamPiece]:
     for index, description in descriptions.items():
         for key, (kind, value) in description.items():
             name = f"state.{index}.{key}"
+            local_value = local.get(index, {}).get(key)
             if kind == "quantized":
-                raise NotImplementedError(
-                    f"save_checkpoint: param {index}'s {key!r} is quantized state ({value.cls.__name__}), "
-                    "which DCP checkpoints do not hold yet; save opt.state_dict() with torch.save "
-                    "instead (it is the plain optimizer's own format and loads on any number of ranks)"
-                )
-            if kind == "scalar":
+                entries.update(quantized_save_entries(index, key, value, local_value, per_param.entry))
+            elif kind == "scalar":
                 if isinstance(value, Tensor) and value.dim() > 0:
                     entries[f"{_WHOLE_STATE}.{index}.{key}"] = value
                 elif isinstance(value, Tensor):
                     entries[name] = value
             else:
-                entries[name] = per_param.entry(index, local.get(index, {}).get(key), value)
+                entries[name] = per_param.entry(index, local_value, value)
     for shard in optimizer.shards.live_shards():
         master = shard.master
         if master is None:
@@ -225,6 +239,8 @@ class _LoadPlan:
         for name, meta in saved.items():
             if name.startswith(_HYPER_PREFIXES) and hasattr(meta, "properties"):
                 self.entries[name] = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
+        self._quantized = QuantizedLoad(optimizer.shards, saved, per_param.pieces, per_param.entry)
+        self.entries.update(self._quantized.entries)
 
     def install(self, loaded: dict[str, Any]) -> None:
         optimizer = self._optimizer
@@ -235,6 +251,8 @@ class _LoadPlan:
                 masters[index] = value
             else:
                 states.setdefault(index, {})[key] = value
+        for index, values in self._quantized.values().items():
+            states.setdefault(index, {}).update(values)
         for index in states:
             optimizer.shards.materialize(optimizer.shards.bucket_of(index))
         pieces = local_pieces(optimizer.shards)
@@ -279,9 +297,13 @@ class _PerParamEntries:
         groups = optimizer.shard_groups
         self._writes = not writing or groups.replica_rank == 0 or not optimizer.shards.comm.sharded
 
-    def entry(self, index: int, local: Tensor | None, dtype: torch.dtype) -> Tensor | ParamPiece:
-        """``local`` holds this rank's elements of param ``index`` (None: this rank has none)."""
-        numel = self._optimizer.shards.buffers.params[index].numel()
+    def entry(
+        self, index: int, local: Tensor | None, dtype: torch.dtype, ratio: Fraction = Fraction(1)
+    ) -> Tensor | ParamPiece:
+        """``local`` holds this rank's entries of param ``index``'s state (None: this rank has
+        none), ``ratio`` entries per element of the param (a quantized value's codes or scales,
+        Note [Quantized state in checkpoints] in ``quantized_checkpoint``)."""
+        numel = _entries(self._optimizer.shards.buffers.params[index].numel(), ratio, index)
         if not self._optimizer.shards.comm.sharded:
             if local is None:
                 raise RuntimeError(f"checkpoint: unsharded state of param {index} is missing")
@@ -289,9 +311,17 @@ class _PerParamEntries:
         piece = self.pieces.get(index) if self._writes else None
         if piece is None:
             return ParamPiece(None, 0, numel, dtype)
-        if local is None or local.numel() != piece.numel:
+        if local is None or local.numel() != _entries(piece.numel, ratio, index):
             raise RuntimeError("checkpoint: a local state piece does not match the layout")
-        return ParamPiece(local, piece.param_start, numel, dtype)
+        return ParamPiece(local, _entries(piece.param_start, ratio, index), numel, dtype)
+
+
+def _entries(numel: int, ratio: Fraction, index: int) -> int:
+    """Entries of ``numel`` elements at ``ratio`` per element; whole, as pieces lie on blocks."""
+    entries = numel * ratio
+    if entries.denominator != 1:
+        raise RuntimeError(f"checkpoint: a piece of param {index} does not hold whole entries of its state")
+    return int(entries)
 
 
 def _hyperparameter_entries(group_index: int, group: dict[str, Any]) -> dict[str, Tensor]:

@@ -142,6 +142,12 @@ TORCH_OPTIMIZERS = torch_optimizers()
 """torch's classes, by exact type (a subclass may change ``step``)."""
 
 
+def block_grid_of(optimizer: torch.optim.Optimizer) -> BlockGrid | None:
+    """How the optimizer quantizes its state, by its class's declared needs; None: plain state."""
+    needs = declared_needs(type(optimizer))
+    return None if needs is None or needs.quantized_blocks is None else needs.quantized_blocks.grid(optimizer)
+
+
 def declared_needs(optimizer_class: type) -> OptimizerNeeds | None:
     """The class's declared needs, torch's known ones, or None.
 

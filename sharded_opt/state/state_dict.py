@@ -37,12 +37,12 @@ from sharded_opt.comm.collective_guard import EntryGuard
 from sharded_opt.guards.param_guard import ParamWaiter
 from sharded_opt.step.inner_optimizer import (
     ParamState,
-    constructor_kwargs,
     hyperparameters,
     indexed_groups,
     is_elementwise,
     load_param_states,
     param_states,
+    probe_state,
 )
 from sharded_opt.step.optimizer_shards import OptimizerShards
 from sharded_opt.step.quantized_state import QuantizedFormat, flat_parts, format_of, is_quantized
@@ -247,12 +247,9 @@ def expected_state_keys(
     ``probe_shape``: 2 elements, or for a class that steps whole params, 2 along each of the
     param's dims (Adafactor keeps other keys for matrices than for vectors, Muon takes only
     matrices)."""
-    inner = shards.inner
     probe = torch.zeros(probe_shape, dtype=shards.plan.buckets[0].dtype, requires_grad=True)
-    probe.grad = torch.zeros_like(probe)
-    throwaway = type(inner)([{**hyper, "params": [probe]}], **constructor_kwargs(inner))
-    throwaway.step()
-    return {key: is_elementwise(value, probe) for key, value in throwaway.state[probe].items()}
+    state = probe_state(shards.inner, hyper, probe)
+    return {key: is_elementwise(value, probe) for key, value in state.items()}
 
 
 def load_state_dict(shards: OptimizerShards, state_dict: dict[str, Any]) -> None:

@@ -69,6 +69,19 @@ def _copy_settings(optimizer: torch.optim.Optimizer, inner: torch.optim.Optimize
             setattr(inner, key, value)
 
 
+def probe_state(optimizer: torch.optim.Optimizer, hyper: dict[str, Any], probe: Tensor) -> dict[str, Any]:
+    """The state ``optimizer``'s class keeps for ``probe`` after one step with a zero grad, of a
+    throwaway copy configured as ``hyper`` with the optimizer's settings (torchao's
+    ``block_size`` included). The step runs eagerly: only the state's form is wanted, and
+    torchao compiles its step for every new tensor shape (tens of seconds on a CPU)."""
+    probe.grad = torch.zeros_like(probe)
+    throwaway = type(optimizer)([{**hyper, "params": [probe]}], **constructor_kwargs(optimizer))
+    _copy_settings(optimizer, throwaway)
+    with torch.compiler.set_stance("force_eager"):
+        step_without_hooks(throwaway, {})
+    return throwaway.state[probe]
+
+
 def check_steps(
     optimizer: torch.optim.Optimizer,
     stepped: set[tuple[int, torch.dtype, torch.device]],

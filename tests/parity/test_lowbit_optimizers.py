@@ -2,10 +2,7 @@
 ranks, against the same class in one process (Note [Cuts on quantization blocks] in
 ``fusion/block_layout.py``).
 
-The model holds every kind of param the cut rules tell apart: a weight of 32768 elements
-(quantized, cut on its blocks on 2 and 3 ranks), weights of 4352 and 4096 (quantized, too small
-to cut: whole in one shard), a gain of 4097 (4096 or more but not whole blocks: plain state,
-whole in one shard) and small biases (plain state, cut anywhere).
+The model (``tests/harness/lowbit.py``) holds every kind of param the cut rules tell apart.
 
 Tolerances: against one process over the whole batch, the project's fp32 parity tolerance
 (rtol=1e-6, atol=1e-7) is for AdamW's fp32 state; quantized state rounds each moment to its
@@ -26,33 +23,24 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy
 from sharded_opt.step.quantized_state import stored_bytes
 from tests.harness.dist_helper import run_ranks
+from tests.harness.lowbit import (
+    BATCH,
+    RESUME_AT,
+    STEPS,
+    assert_same_state,
+    batch,
+    loss_of,
+    make_model,
+    make_optimizer,
+    train_plain,
+)
 
-torchao_optim = pytest.importorskip("torchao.optim")
+pytest.importorskip("torchao.optim")
 pytestmark = pytest.mark.timeout(1800)  # torchao compiles its step per shape, see above
-
-STEPS = 10
-RESUME_AT = 6
-BATCH, FEATURES = 12, 32
-
-
-class LowBitModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(FEATURES, 1024)  # weight 32768: quantized, cut on blocks on 2 and 3 ranks
-        self.fc2 = nn.Linear(1024, 17)  # weight 17408: quantized, may be cut
-        self.fc3 = nn.Linear(17, 256, bias=False)  # 4352: quantized, too small to cut: whole
-        self.fc4 = nn.Linear(256, 16)  # 4096: quantized (the threshold itself), whole
-        self.head = nn.Linear(16, 2)
-        self.gain = nn.Parameter(torch.ones(4097))  # 4096 or more, not whole blocks: plain, whole
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = torch.relu(self.fc2(torch.relu(self.fc1(x))))
-        return self.head(torch.tanh(self.fc4(torch.relu(self.fc3(hidden))))) * self.gain.mean()
 
 
 @dataclass(frozen=True)
@@ -67,24 +55,6 @@ RUNS = {
     "adamw4bit_overlap": Run("AdamW4bit", overlap=True),
     "adamwfp8_sync": Run("AdamWFp8", overlap=False),
 }
-
-
-def make_model() -> LowBitModel:
-    torch.manual_seed(0)
-    return LowBitModel()
-
-
-def make_optimizer(cls: str, model: nn.Module) -> torch.optim.Optimizer:
-    return getattr(torchao_optim, cls)(model.parameters(), lr=1e-2, weight_decay=0.05)
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(step)
-    return torch.randn(BATCH, FEATURES, generator=generator), torch.randn(BATCH, 2, generator=generator)
-
-
-def loss_of(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(model(inputs), targets)
 
 
 def train_sharded(run: Run, start: bytes | None = None) -> dict:
@@ -121,44 +91,6 @@ def train_all(runs: list[Run], start: bytes) -> list[dict]:
     return [train_sharded(run) for run in runs] + [train_sharded(RUNS["adamw8bit_overlap"], start)]
 
 
-def train_plain(cls: str, slices: int = 1, start: dict | None = None) -> dict:
-    """The plain class in one process; ``slices`` > 1 averages per-slice grads (sum in slice
-    order, then divide), as the ranks' reduction does. Saves the model and optimizer after
-    ``RESUME_AT`` steps (``"snapshot"``); ``start`` (such a snapshot) resumes from there."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = make_model()
-        opt = make_optimizer(cls, model)
-        if start is not None:
-            model.load_state_dict(start["model"])
-            opt.load_state_dict(start["optimizer"])
-        params = list(model.parameters())
-        size = BATCH // slices
-        snapshot = None
-        for step in range(RESUME_AT if start is not None else 0, STEPS):
-            if step == RESUME_AT and start is None:
-                buffer = io.BytesIO()
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
-                snapshot = buffer.getvalue()
-            inputs, targets = batch(step)
-            grads = []
-            for index in range(slices):
-                model.zero_grad()
-                part = slice(index * size, (index + 1) * size)
-                loss_of(model, inputs[part], targets[part]).backward()
-                grads.append([p.grad.clone() for p in params])
-            for position, param in enumerate(params):
-                total = grads[0][position]
-                for other in grads[1:]:
-                    total = total + other[position]
-                param.grad = total / slices
-            opt.step()
-        return {"params": [p.detach().clone() for p in params], "optimizer": opt, "snapshot": snapshot}
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"world{ws}")
 def sharded_runs(request) -> tuple[int, dict[str, list[dict]]]:
     world_size = request.param
@@ -185,23 +117,6 @@ def test_resumed_from_a_plain_state_dict_is_bitwise_the_plain_run(sharded_runs) 
             assert torch.equal(got, want), f"rank {rank} param {index}: {(got - want).abs().max()}"
 
 
-def _assert_same_state(got: dict, want: dict) -> None:
-    assert got["param_groups"] == want["param_groups"]
-    assert got["state"].keys() == want["state"].keys()
-    for index, state in want["state"].items():
-        assert got["state"][index].keys() == state.keys(), index
-        for key, value in state.items():
-            mine = got["state"][index][key]
-            assert type(mine) is type(value) and mine.shape == value.shape, (index, key)
-            if type(value) is torch.Tensor:
-                assert torch.equal(mine, value), (index, key)
-                continue
-            names, attributes = value.__tensor_flatten__()
-            assert mine.__tensor_flatten__()[1] == attributes, (index, key)
-            for name in names:
-                assert torch.equal(getattr(mine, name), getattr(value, name)), (index, key, name)
-
-
 @pytest.mark.parametrize("name", list(RUNS))
 def test_state_dict_is_the_plain_classs_own_and_loads_into_it(sharded_runs, name: str) -> None:
     """The wrapper saves torchao's format (codes, scales and code book of each quantized
@@ -211,7 +126,7 @@ def test_state_dict_is_the_plain_classs_own_and_loads_into_it(sharded_runs, name
     plain = train_plain(RUNS[name].cls, slices=world_size)
     want = plain["optimizer"].state_dict()
     for result in results[name]:
-        _assert_same_state(torch.load(io.BytesIO(result["state_dict"]), weights_only=False), want)
+        assert_same_state(torch.load(io.BytesIO(result["state_dict"]), weights_only=False), want)
     saved = torch.load(io.BytesIO(results[name][0]["state_dict"]), weights_only=False)
     model = make_model()
     with torch.no_grad():
@@ -219,7 +134,7 @@ def test_state_dict_is_the_plain_classs_own_and_loads_into_it(sharded_runs, name
             param.copy_(value)
     reloaded = make_optimizer(RUNS[name].cls, model)
     reloaded.load_state_dict(saved)
-    _assert_same_state(reloaded.state_dict(), want)
+    assert_same_state(reloaded.state_dict(), want)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
