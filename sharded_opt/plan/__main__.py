@@ -10,7 +10,7 @@ import torch
 
 from sharded_opt.plan.calibrate import CalibrationInputs, calibrate
 from sharded_opt.plan.config import Cluster, ComputeTimes, LinkModel
-from sharded_opt.plan.model import load_factory, resolve_optimizer
+from sharded_opt.plan.model import LOW_BIT_OPTIMIZERS, load_factory, resolve_optimizer
 from sharded_opt.plan.planner import format_plan, plan_training
 from sharded_opt.strategy import COMPRESSION_CHOICES, ShardingConfig
 
@@ -42,7 +42,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m sharded_opt.plan", description=__doc__)
     parser.add_argument("--model", default="default",
                         help="module:callable (a factory, no arguments) or a built-in model")  # fmt: skip
-    parser.add_argument("--optimizer", default="AdamW", help="a torch.optim class name")
+    parser.add_argument("--optimizer", default="AdamW",
+                        help="a torch.optim class name, or one of torchao's low-bit classes "
+                             f"({', '.join(LOW_BIT_OPTIMIZERS)}; block_size through "
+                             "--optimizer-kwargs)")  # fmt: skip
     parser.add_argument("--optimizer-kwargs", type=json.loads, default={}, help="JSON, e.g. '{\"lr\": 1e-3}'")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=None, help="default: all ranks on one node")

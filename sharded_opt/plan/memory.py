@@ -7,26 +7,47 @@ persistent averaged grad of the shard in the reduce dtype, a grad in the master 
 optimizer steps a master copy of another dtype, the master copy (with ``param_compression`` one
 even in the params' own dtype, and the shard's params as last published, Note [Compressed wire]
 in ``sharded_opt/comm/compression.py``), the optimizer's state for the rank's pieces (padding
-has none, Note [Per-param pieces]); no staging pool (Note [Bounded staging]): on CPU gloo,
-which the planner models, 16-bit grads are widened on receipt. Nor the compressed collectives'
-rows of codes, which live while a bucket's collective is in flight, as the receive buffers of
-the exact ones do (``memory_bytes()`` counts neither). DDP
-holds the params and grads unpadded, the optimizer's state for every param, and its reducer's
-flat bucket buffers (one copy of the grads; torch's default ``gradient_as_bucket_view=False``).
+has none, Note [Per-param pieces]; a low-bit optimizer's codes, scales and code books for each
+piece it quantizes, Note [Cuts on quantization blocks]); no staging pool (Note [Bounded
+staging]): on CPU gloo, which the planner models, 16-bit grads are widened on receipt. Nor the
+compressed collectives' rows of codes, which live while a bucket's collective is in flight, as
+the receive buffers of the exact ones do (``memory_bytes()`` counts neither). DDP holds the
+params and grads unpadded, the optimizer's state for every param, and its reducer's flat bucket
+buffers (one copy of the grads; torch's default ``gradient_as_bucket_view=False``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from fractions import Fraction
 
 import torch
 
+from fusion.block_layout import BlockGrid
 from fusion.layout import BucketPlan, LayoutPlan, ParamSpec
 from sharded_opt.step.local_shard import BucketPrecision
 
-StateBytes = Mapping[tuple[int, torch.dtype], int]
-"""Optimizer state bytes per stepped element, by (param group index, stepped dtype)."""
+
+@dataclass(frozen=True, slots=True)
+class StateSize:
+    """Optimizer state bytes of one tensor the optimizer steps (a param, or a rank's piece of
+    one) by its numel: ``per_element`` bytes each, or, for a tensor that ``grid`` quantizes,
+    ``quantized_per_element`` (codes and scales) each plus ``quantized_fixed`` (code books)."""
+
+    per_element: int
+    grid: BlockGrid | None = None
+    quantized_per_element: Fraction = Fraction(0)
+    quantized_fixed: int = 0
+
+    def nbytes(self, numel: int) -> int:
+        if self.grid is not None and self.grid.quantizes(numel):
+            return int(self.quantized_per_element * numel) + self.quantized_fixed
+        return self.per_element * numel
+
+
+StateBytes = Mapping[tuple[int, torch.dtype], StateSize]
+"""Optimizer state bytes of a stepped tensor, by (param group index, stepped dtype)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +95,7 @@ def sharded_memory(
             place).
         precisions: each bucket's dtypes (``resolve_precision``; with ``delta_params`` the
             shards keep a master and a published copy).
-        state_bytes: optimizer state bytes per stepped element.
+        state_bytes: optimizer state bytes of a stepped tensor.
         rank: the rank's index in its shard group.
         materialize_all: the optimizer creates state at construction (Adagrad), so every bucket,
             frozen ones included, gets its grad buffer and shard at once.
@@ -100,8 +121,8 @@ def sharded_memory(
             master += _nbytes(stepped_numel, precision.master_dtype)
         if precision.delta_params:
             published += _nbytes(stepped_numel, bucket.dtype)
-        per_element = state_bytes[(bucket.group_index, precision.master_dtype)]
-        state += per_element * _stepped_elements(bucket, rank, sharded)
+        size = state_bytes[(bucket.group_index, precision.master_dtype)]
+        state += sum(size.nbytes(numel) for numel in _stepped_numels(bucket, rank, sharded))
     used = sum(_nbytes(b.used_numel, b.dtype) for b in plan.buckets)
     used_live = sum(_nbytes(b.used_numel, b.dtype) for b in live)
     padding = (params - used) + (grads - used_live)
@@ -110,10 +131,12 @@ def sharded_memory(
     return MemoryBytes(params, grads, reduced, master, state, staging=0, padding=padding, published=published)
 
 
-def _stepped_elements(bucket: BucketPlan, rank: int, sharded: bool) -> int:
+def _stepped_numels(bucket: BucketPlan, rank: int, sharded: bool) -> list[int]:
+    """The numel of each param piece ``rank`` steps (a low-bit optimizer decides per piece
+    whether to quantize it)."""
     if sharded:
-        return sum(piece.numel for piece in bucket.shard_pieces(rank))
-    return sum(slot.numel for slot in bucket.slots)
+        return [piece.numel for piece in bucket.shard_pieces(rank)]
+    return [slot.numel for slot in bucket.slots]
 
 
 def ddp_memory(specs: Sequence[ParamSpec | None], state_bytes: StateBytes) -> MemoryBytes:
@@ -122,7 +145,7 @@ def ddp_memory(specs: Sequence[ParamSpec | None], state_bytes: StateBytes) -> Me
     params = sum(_nbytes(spec.numel, spec.dtype) for spec in laid_out)
     trainable = [spec for spec in laid_out if spec.requires_grad]
     grads = sum(_nbytes(spec.numel, spec.dtype) for spec in trainable)
-    state = sum(state_bytes[(spec.group_index, spec.dtype)] * spec.numel for spec in trainable)
+    state = sum(state_bytes[(spec.group_index, spec.dtype)].nbytes(spec.numel) for spec in trainable)
     return MemoryBytes(params, grads, 0, 0, state, 0, ddp_buckets=grads)
 
 

@@ -1,17 +1,23 @@
 """The planner's inputs from the user's words: a model factory built on the meta device (no
-param memory), a ``torch.optim`` class, and the optimizer state it keeps per element."""
+param memory), a ``torch.optim`` class (or one of torchao's low-bit classes), and the bytes of
+optimizer state it keeps for a tensor."""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any
 
 import torch
 from torch import nn
 
 from fusion.layout import ParamSpec
+from sharded_opt.guards.optimizer_needs import THIRD_PARTY_NEEDS_BY_PATH, block_grid_of, declared_needs
 from sharded_opt.guards.validation import ELEMENTWISE_OPTIMIZERS, collect_params
+from sharded_opt.plan.memory import StateSize
+from sharded_opt.step.inner_optimizer import constructor_kwargs, hyperparameters, probe_state
+from sharded_opt.step.quantized_state import state_nbytes
 
 BUILTIN_MODEL_MODULE = "benchmarks.models"
 """Where the benchmark's built-in models live (``--model default`` and the other preset names)."""
@@ -20,19 +26,43 @@ STATE_PROBE_NUMEL = 64
 """Elements of the small CPU tensor one step of the optimizer runs on to learn its state bytes
 per element (some classes, ASGD, call ``.item()`` and cannot step on the meta device)."""
 
+LOW_BIT_OPTIMIZERS = {path.rpartition(".")[2]: path for path in THIRD_PARTY_NEEDS_BY_PATH}
+"""torchao's low-bit classes by name (``AdamW8bit``...), their module imported only when named."""
+
 
 def resolve_optimizer(name: str | type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
-    """The ``torch.optim`` class named ``name`` (``"AdamW"``), or the class itself.
+    """The ``torch.optim`` class named ``name`` (``"AdamW"``), torchao's low-bit class of that
+    name (``"AdamW8bit"``), or the class itself.
 
     Raises:
-        ValueError: no such class in ``torch.optim``, or not one the wrapper shards (it shards
-            element-wise optimizers only).
+        ValueError: no such class, not one the planner models (element-wise optimizers, and
+            torchao's low-bit ones), or torchao is not installed.
     """
-    cls = getattr(torch.optim, name, None) if isinstance(name, str) else name
-    if cls not in ELEMENTWISE_OPTIMIZERS:
+    cls = _named_class(name) if isinstance(name, str) else name
+    if cls not in ELEMENTWISE_OPTIMIZERS and not (isinstance(cls, type) and _quantizes(cls)):
         known = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        raise ValueError(f"plan expects optimizer to name one of torch.optim's {known} but got {name!r}")
+        raise ValueError(
+            f"plan expects optimizer to name one of torch.optim's {known} or torchao's "
+            f"{', '.join(LOW_BIT_OPTIMIZERS)} but got {name!r}"
+        )
     return cls
+
+
+def _named_class(name: str) -> Any:
+    if name not in LOW_BIT_OPTIMIZERS:
+        return getattr(torch.optim, name, None)
+    module, _, attribute = LOW_BIT_OPTIMIZERS[name].rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except ImportError as error:
+        raise ValueError(
+            f"plan: {name} is torchao's; install it (pip install -e '.[lowbit]'): {error}"
+        ) from error
+
+
+def _quantizes(cls: type) -> bool:
+    needs = declared_needs(cls)
+    return needs is not None and needs.quantized_blocks is not None
 
 
 def load_factory(path: str) -> Callable[[], nn.Module]:
@@ -107,29 +137,39 @@ def param_specs(
     return specs, optimizer
 
 
-def state_bytes_per_element(
+def state_sizes(
     optimizer: torch.optim.Optimizer, dtypes: Sequence[torch.dtype]
-) -> tuple[dict[tuple[int, torch.dtype], int], bool]:
-    """The optimizer's state bytes per stepped element, by (param group, dtype), from one step of
-    its class with each group's settings on a small CPU tensor; and whether the class creates
-    its state at construction (Adagrad), which makes the wrapper materialize every bucket."""
-    per_element: dict[tuple[int, torch.dtype], int] = {}
+) -> tuple[dict[tuple[int, torch.dtype], StateSize], bool]:
+    """The optimizer's state bytes of a stepped tensor, by (param group, dtype), from one step of
+    its class with each group's settings on small CPU tensors: one it keeps plain state for and,
+    for a class that quantizes, one and two times the smallest tensor it quantizes (the bytes
+    grow linearly from a fixed code book); and whether the class creates its state at
+    construction (Adagrad), which makes the wrapper materialize every bucket."""
+    grid = block_grid_of(optimizer)
+    sizes: dict[tuple[int, torch.dtype], StateSize] = {}
     at_construction = False
     for group_index, group in enumerate(optimizer.param_groups):
-        settings = {key: value for key, value in group.items() if key != "params"}
+        hyper = hyperparameters(group)
         for dtype in dtypes:
-            probe = torch.zeros(STATE_PROBE_NUMEL, dtype=dtype, requires_grad=True)
-            probe.grad = torch.ones_like(probe)
-            stepped = type(optimizer)([{**settings, "params": [probe]}])
-            at_construction = at_construction or bool(stepped.state)
-            stepped.step()
-            nbytes = sum(
-                value.numel() * value.element_size()
-                for value in stepped.state[probe].values()
-                if isinstance(value, torch.Tensor) and value.dim() > 0
-            )
-            per_element[(group_index, dtype)] = nbytes // STATE_PROBE_NUMEL
-    return per_element, at_construction
+            plain = _probed_nbytes(optimizer, hyper, STATE_PROBE_NUMEL, dtype) // STATE_PROBE_NUMEL
+            size = StateSize(plain)
+            if grid is not None:
+                first = grid.first_quantized_numel
+                once = _probed_nbytes(optimizer, hyper, first, dtype)
+                per_element = Fraction(_probed_nbytes(optimizer, hyper, 2 * first, dtype) - once, first)
+                size = StateSize(plain, grid, per_element, once - int(per_element * first))
+            sizes[(group_index, dtype)] = size
+        probe = torch.zeros(1, requires_grad=True)
+        built = type(optimizer)([{**hyper, "params": [probe]}], **constructor_kwargs(optimizer))
+        at_construction = at_construction or bool(built.state)
+    return sizes, at_construction
+
+
+def _probed_nbytes(
+    optimizer: torch.optim.Optimizer, hyper: dict[str, Any], numel: int, dtype: torch.dtype
+) -> int:
+    probe = torch.zeros(numel, dtype=dtype, requires_grad=True)
+    return state_nbytes(probe_state(optimizer, hyper, probe))
 
 
 def load_batch(path: str | None, model: str, micro_batch: int) -> tuple[torch.Tensor, ...]:

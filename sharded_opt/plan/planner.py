@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fusion.block_layout import BlockGrid
 from fusion.bucket_sizing import trainable_bytes
 from fusion.layout import BucketPlan, LayoutPlan, ParamSpec, plan_layout
+from sharded_opt.guards.optimizer_needs import block_grid_of
 from sharded_opt.plan.config import Cluster, ComputeTimes
 from sharded_opt.plan.cost import GroupPlacement, collective_s, crosses_nodes, sent_s, wire_bytes
 from sharded_opt.plan.memory import MemoryBytes, StateBytes, ddp_memory, sharded_memory
@@ -21,7 +23,7 @@ from sharded_opt.plan.model import (
     meta_model,
     param_specs,
     resolve_optimizer,
-    state_bytes_per_element,
+    state_sizes,
 )
 from sharded_opt.plan.schedule import (
     NO_TRANSFER,
@@ -166,7 +168,7 @@ def plan_training(
         raise ValueError("plan expects a model with trainable params but got none")
     dtypes = {spec.dtype for spec in specs}
     dtypes |= {_precision(dtype, sharding).master_dtype for dtype in dtypes}
-    state_bytes, at_construction = state_bytes_per_element(meta_optimizer, sorted(dtypes, key=str))
+    state_bytes, at_construction = state_sizes(meta_optimizer, sorted(dtypes, key=str))
     inputs = _Inputs(
         specs, meta_optimizer, state_bytes, at_construction, cluster, compute, sharding, steps_per_sync
     )
@@ -249,9 +251,11 @@ def _precision(dtype: torch.dtype, sharding: ShardingConfig, shard_size: int = 1
     return resolve_precision(dtype, sharding.reduce_dtype, sharding.master_dtype, delta_params=deltas)
 
 
-def layout_for(specs: list[ParamSpec], shard_size: int, sharding: ShardingConfig) -> LayoutPlan:
+def layout_for(
+    specs: list[ParamSpec], shard_size: int, sharding: ShardingConfig, block_grid: BlockGrid | None = None
+) -> LayoutPlan:
     """The plan the wrapper makes for ``specs`` over ``shard_size`` shards (``ShardingStage1``'s
-    own call)."""
+    own call), with ``block_grid`` for an optimizer that quantizes its state per block."""
     sizes = sharding.bucket_sizes(trainable_bytes(specs))
     return plan_layout(
         specs,
@@ -259,13 +263,14 @@ def layout_for(specs: list[ParamSpec], shard_size: int, sharding: ShardingConfig
         align_bytes=sharding.align_bytes,
         bucket_size_bytes=sizes.bucket_bytes,
         first_bucket_bytes=sizes.first_bucket_bytes,
+        block_grid=block_grid,
     )
 
 
 def _sharded_mode(inputs: _Inputs, mode: str, degree: int, bucket_size_mb: float | None) -> ModePlan:
     cluster = inputs.cluster
     sharding = replace(inputs.sharding, bucket_size_mb=bucket_size_mb)
-    plan = layout_for(inputs.specs, degree, sharding)
+    plan = layout_for(inputs.specs, degree, sharding, block_grid_of(inputs.optimizer))
     precisions = [_precision(bucket.dtype, sharding, degree) for bucket in plan.buckets]
     memory = tuple(
         sharded_memory(plan, precisions, inputs.state_bytes, rank, materialize_all=inputs.at_construction)

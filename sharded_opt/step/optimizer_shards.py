@@ -21,7 +21,7 @@ from sharded_opt.comm.hybrid_groups import ShardGroups
 from sharded_opt.step.bucket import Bucket
 from sharded_opt.step.inner_optimizer import add_shard
 from sharded_opt.step.local_shard import LocalShard
-from sharded_opt.step.quantized_state import stored_bytes
+from sharded_opt.step.quantized_state import state_nbytes
 
 
 class ParamGroupsOwner(Protocol):
@@ -82,12 +82,7 @@ class OptimizerShards:
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state tensors held by this rank (a quantized value's codes, scales
         and code book, see ``quantized_state``)."""
-        return sum(
-            stored_bytes(value)
-            for state in self.inner.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor) and value.dim() > 0
-        )
+        return sum(state_nbytes(state) for state in self.inner.state.values())
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for training, by kind (see ``ShardingStage1.memory_bytes``)."""

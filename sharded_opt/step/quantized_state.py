@@ -33,6 +33,12 @@ def stored_bytes(value: Tensor) -> int:
     return sum(stored_bytes(getattr(value, name)) for name in names)
 
 
+def state_nbytes(state: dict[str, Any]) -> int:
+    """Bytes one param's (or piece's) optimizer state really holds in tensors of at least one
+    dim; scalars such as ``step`` are not counted."""
+    return sum(stored_bytes(v) for v in state.values() if isinstance(v, Tensor) and v.dim() > 0)
+
+
 @dataclass(frozen=True)
 class QuantizedFormat:
     """How one quantized value is built: everything but its per-element parts' data, small

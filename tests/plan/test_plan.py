@@ -22,6 +22,7 @@ from sharded_opt.plan import (
     plan_training,
 )
 from sharded_opt.plan.__main__ import main
+from sharded_opt.plan.model import resolve_optimizer
 from sharded_opt.plan.schedule import BucketCosts, StepCosts, Transfer, simulate
 from tests.harness.dist_helper import run_ranks
 
@@ -46,6 +47,24 @@ class OddNet(nn.Module):
 
 def odd_net() -> nn.Module:
     return OddNet()
+
+
+class LowBitNet(nn.Module):
+    """OddNet's input with weights torchao quantizes: 37 x 1024 (148 blocks of 256, cut on its
+    blocks on 2 and 3 ranks) and 1024 x 5 (quantized, too small to cut: whole on one rank);
+    biases too small to quantize."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(37, 1024)
+        self.last = nn.Linear(1024, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.first(x)))
+
+
+def lowbit_net() -> nn.Module:
+    return LowBitNet()
 
 
 def bf16_net() -> nn.Module:
@@ -89,6 +108,14 @@ class Case:
 
 INT8 = {"grad_compression": "int8", "param_compression": "int8"}
 
+LOW_BIT_CASES = {
+    1: [Case("lowbit_net", "AdamW8bit", {})],
+    2: [Case("lowbit_net", "AdamW8bit", {}), Case("lowbit_net", "AdamW4bit", {})],
+    3: [Case("lowbit_net", "AdamWFp8", {}), Case("lowbit_net", "AdamW8bit", {"block_size": 128})],
+}
+"""torchao's classes (codes, scales and code books per quantized piece); world size 1 steps
+whole params."""
+
 
 CASES = {
     1: [
@@ -130,12 +157,14 @@ def _wrapped_bytes(cases: list[Case]) -> list[tuple[dict[str, int], dict[str, in
     for case in cases:
         torch.manual_seed(0)
         model = globals()[case.factory]()
-        optimizer = getattr(torch.optim, case.optimizer)(model.parameters(), **case.kwargs)
+        optimizer = resolve_optimizer(case.optimizer)(model.parameters(), **case.kwargs)
         wrapper = ShardingStage1(optimizer, strategy=Strategy(sharding=case.sharding()), model=model)
         before = wrapper.wire_bytes()
         dtype = next(model.parameters()).dtype
         model(torch.randn(4, 37, dtype=dtype)).float().square().mean().backward()
-        wrapper.step()
+        # Eagerly: torchao compiles its step per piece shape (tens of seconds each on CPU).
+        with torch.compiler.set_stance("force_eager"):
+            wrapper.step()
         wrapper.sync_params()
         sent = {key: count - before[key] for key, count in wrapper.wire_bytes().items()}
         reports.append((wrapper.memory_bytes(), sent))
@@ -145,7 +174,16 @@ def _wrapped_bytes(cases: list[Case]) -> list[tuple[dict[str, int], dict[str, in
 
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_bytes_equal_the_wrappers_report(world_size: int) -> None:
-    cases = CASES[world_size]
+    _check_against_the_wrapper(world_size, CASES[world_size])
+
+
+@pytest.mark.parametrize("world_size", sorted(LOW_BIT_CASES))
+def test_low_bit_state_bytes_equal_the_wrappers_report(world_size: int) -> None:
+    pytest.importorskip("torchao.optim")
+    _check_against_the_wrapper(world_size, LOW_BIT_CASES[world_size])
+
+
+def _check_against_the_wrapper(world_size: int, cases: list[Case]) -> None:
     per_rank = run_ranks(_wrapped_bytes, world_size, cases)
     for index, case in enumerate(cases):
         cluster = Cluster(world_size=world_size, ranks_per_node=world_size, node_link=FAST_LINK)
@@ -296,6 +334,22 @@ def test_cli_plans_compressed_modes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "overlap [bf16/exact]: sends 0." in out and "publ." not in out
     with pytest.raises(SystemExit):
         main([*argv, "--param-compression", "bf16"])
+
+
+def test_cli_plans_low_bit_optimizers_with_their_real_state_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    """8-bit state is about 2 bytes per param (codes, a scale per 256, code books) against
+    AdamW's 8, held by DDP on every rank, where nearly every param is quantized (the default
+    GPT; the tiny one's many small params keep plain state)."""
+    pytest.importorskip("torchao.optim")
+    argv = ["--model", "tiny", "--compute-ms", "300", "--node-link", "1"]
+    assert main([*argv, "--optimizer", "AdamW8bit", "--optimizer-kwargs", '{"lr": 1e-3}']) == 0
+    assert "recommended:" in capsys.readouterr().out
+    cluster = Cluster(world_size=2, ranks_per_node=2, node_link=FAST_LINK)
+    ddp_state = {
+        name: plan_training("default", name, cluster=cluster, compute=COMPUTE).modes[0].memory.optimizer_state
+        for name in ("AdamW", "AdamW8bit")
+    }
+    assert ddp_state["AdamW"] / 4.2 < ddp_state["AdamW8bit"] < ddp_state["AdamW"] / 3.5
 
 
 def test_cli_calibrates(capsys: pytest.CaptureFixture[str]) -> None:
