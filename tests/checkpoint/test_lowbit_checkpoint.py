@@ -25,6 +25,7 @@ from tests.harness.lowbit import (
     BATCH,
     RESUME_AT,
     STEPS,
+    Run,
     assert_same_state,
     batch,
     loss_of,
@@ -47,11 +48,11 @@ CASES = {
 other mode)."""
 
 
-def _steps(model: torch.nn.Module, opt: ShardingStage1, steps: range) -> None:
+def _steps(model: torch.nn.Module, opt: ShardingStage1, cls: str, steps: range) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     size = BATCH // world_size
     for step in steps:
-        inputs, targets = batch(step)
+        inputs, targets = batch(step, Run(cls))
         opt.zero_grad()
         part = slice(rank * size, (rank + 1) * size)
         loss_of(model, inputs[part], targets[part]).backward()
@@ -67,21 +68,21 @@ def _serialized(state_dict: dict) -> bytes:
 def _train_save_continue(path: str, cls: str, overlap: bool) -> dict:
     """The uninterrupted run: saves after ``RESUME_AT`` steps and goes on to ``STEPS``."""
     model = make_model()
-    opt = ShardingStage1(make_optimizer(cls, model), overlap=overlap, model=model)
-    _steps(model, opt, range(RESUME_AT))
+    opt = ShardingStage1(make_optimizer(cls, model.parameters()), overlap=overlap, model=model)
+    _steps(model, opt, cls, range(RESUME_AT))
     saved = _serialized(opt.state_dict())
     save_checkpoint(path, model, opt)
-    _steps(model, opt, range(RESUME_AT, STEPS))
+    _steps(model, opt, cls, range(RESUME_AT, STEPS))
     opt.sync_params()
     return {"state_dict": saved, "params": [p.detach().clone() for p in model.parameters()]}
 
 
 def _load_continue(path: str, cls: str, overlap: bool) -> dict:
     model = make_model(seed=99)  # everything must come from the checkpoint
-    opt = ShardingStage1(make_optimizer(cls, model), overlap=overlap, model=model)
+    opt = ShardingStage1(make_optimizer(cls, model.parameters()), overlap=overlap, model=model)
     load_checkpoint(path, model, opt)
     loaded = _serialized(opt.state_dict())
-    _steps(model, opt, range(RESUME_AT, STEPS))
+    _steps(model, opt, cls, range(RESUME_AT, STEPS))
     opt.sync_params()
     return {"state_dict": loaded, "params": [p.detach().clone() for p in model.parameters()]}
 
@@ -129,8 +130,8 @@ def test_training_goes_on_bitwise(resharded, name: str) -> None:
     cls, saved_on, loaded_on, _ = CASES[name]
     _, saved, resumed = resharded[name]
     with torch.compiler.set_stance("force_eager"):
-        before = _state(train_plain(cls, slices=saved_on)["snapshot"])
-        expected = train_plain(cls, slices=loaded_on, start=before)["params"]
+        before = _state(train_plain(Run(cls), slices=saved_on)["snapshot"])
+        expected = train_plain(Run(cls), slices=loaded_on, start=before)["params"]
     for rank, result in enumerate(resumed):
         for index, (got, want) in enumerate(zip(result["params"], expected, strict=True)):
             assert torch.equal(got, want), f"rank {rank} param {index}: {(got - want).abs().max()}"
@@ -141,8 +142,8 @@ def test_training_goes_on_bitwise(resharded, name: str) -> None:
 
 def _load_error(path: str, cls: str, kwargs: dict) -> str:
     model = make_model()
-    plain = cls == "AdamW"
-    inner = torch.optim.AdamW(model.parameters()) if plain else make_optimizer(cls, model, **kwargs)
+    params = model.parameters()
+    inner = torch.optim.AdamW(params) if cls == "AdamW" else make_optimizer(cls, params, **kwargs)
     opt = ShardingStage1(inner, model=model)
     try:
         load_checkpoint(path, model, opt)

@@ -46,12 +46,12 @@ def quiet_rank() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def tiny_gpt2():
+def tiny_gpt2(width: int = WIDTH):
     """A 2-layer GPT-2 with a tied LM head, dropout off, seeded weights."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=2, n_head=2,
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=width, n_layer=2, n_head=2,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     torch.manual_seed(0)

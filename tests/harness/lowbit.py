@@ -1,25 +1,34 @@
-"""What the low-bit (torchao) tests share: a model with every kind of param the cut rules tell
-apart (Note [Cuts on quantization blocks] in ``fusion/block_layout.py``), its data, the plain
-class in one process as the reference, and the comparison of two state dicts.
+"""The model, data and loops of the low-bit optimizer tests (torchao's quantized Adam(W) under
+ShardingStage1 against the same class in one process): ``tests/parity/test_lowbit_optimizers.py``,
+``tests/parity/test_lowbit_combinations.py`` and ``tests/checkpoint/test_lowbit_checkpoint.py``.
 
-The model holds a weight of 32768 elements (quantized, cut on its blocks on 2 and 3 ranks),
-weights of 4352 and 4096 (quantized, too small to cut: whole in one shard), a gain of 4097
-(4096 or more but not whole blocks: plain state, whole in one shard) and small biases (plain
-state, cut anywhere). torchao is imported only when an optimizer is built, so a test module can
-skip first when it is missing.
+One model for all of them: torchao compiles its step per tensor shape and dtype (tens of seconds
+the first time on a loaded 2-core CPU; inductor's on-disk cache keeps them), so every run that
+steps the same pieces in fp32 (masters included) reuses what the first one compiled.
+
+The model holds every kind of param the cut rules tell apart: a weight of 32768 elements
+(quantized, cut on its blocks on 2 and 3 ranks), weights of 4352 and 4096 (quantized, too small
+to cut: whole in one shard), a gain of 4097 (4096 or more but not whole blocks: plain state,
+whole in one shard) and small biases (plain state, cut anywhere).
 """
 
 from __future__ import annotations
 
-import importlib
 import io
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from sharded_opt import ShardedGradScaler, ShardingConfig, ShardingStage1, Strategy
 
 STEPS = 10
 RESUME_AT = 6
 BATCH, FEATURES = 12, 32
+INF_STEP = 3
+"""With a grad scaler, the step whose last sample holds an inf (in the last rank's slice)."""
+INIT_SCALE = 2.0**8
 
 
 class LowBitModel(nn.Module):
@@ -37,62 +46,194 @@ class LowBitModel(nn.Module):
         return self.head(torch.tanh(self.fc4(torch.relu(self.fc3(hidden))))) * self.gain.mean()
 
 
-def make_model(seed: int = 0) -> LowBitModel:
+@dataclass(frozen=True)
+class Run:
+    """One sharded training of the model and what its reference does alike.
+
+    Attributes:
+        cls: the torchao class, by name.
+        overlap: ``ShardingConfig(enable_overlap=...)``.
+        param_dtype: the model's dtype (the loss is computed in fp32).
+        master_dtype: ``ShardingConfig(master_dtype=...)``; the reference steps masters of it.
+        clip_norm: clip the averaged grads to this global norm before every step.
+        scaler: a ``ShardedGradScaler`` (the reference: ``torch.amp.GradScaler``) from
+            ``INIT_SCALE``, with an inf in the last sample of step ``INF_STEP``.
+        degree: ``ShardingConfig(degree=...)``, hybrid sharding; the reference averages the
+            slices of each shard group, then the groups' means.
+    """
+
+    cls: str
+    overlap: bool = False
+    param_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype | None = None
+    clip_norm: float | None = None
+    scaler: bool = False
+    degree: int | None = None
+
+
+def make_model(dtype: torch.dtype = torch.float32, seed: int = 0) -> LowBitModel:
     torch.manual_seed(seed)
-    return LowBitModel()
+    return LowBitModel().to(dtype)
 
 
-def make_optimizer(cls: str, model: nn.Module, **kwargs) -> torch.optim.Optimizer:
-    """torchao's class named ``cls`` over the model, with the tests' settings."""
-    optim = importlib.import_module("torchao.optim")
-    return getattr(optim, cls)(model.parameters(), lr=1e-2, weight_decay=0.05, **kwargs)
+def make_optimizer(cls: str, params, **kwargs) -> torch.optim.Optimizer:
+    """torchao's class named ``cls`` over ``params``, with the tests' settings (torchao is
+    imported here, so a test module can skip first when it is missing)."""
+    import torchao.optim
+
+    return getattr(torchao.optim, cls)(params, lr=1e-2, weight_decay=0.05, **kwargs)
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, run: Run) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(step)
-    return torch.randn(BATCH, FEATURES, generator=generator), torch.randn(BATCH, 2, generator=generator)
+    inputs = torch.randn(BATCH, FEATURES, generator=generator).to(run.param_dtype)
+    targets = torch.randn(BATCH, 2, generator=generator)
+    if run.scaler and step == INF_STEP:
+        inputs[-1, 0] = float("inf")
+    return inputs, targets
 
 
 def loss_of(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(model(inputs), targets)
+    return nn.functional.mse_loss(model(inputs).float(), targets)
 
 
-def train_plain(cls: str, slices: int = 1, start: dict | None = None) -> dict:
-    """The plain class in one process; ``slices`` > 1 averages per-slice grads (sum in slice
-    order, then divide), as the ranks' reduction does. Saves the model and optimizer after
-    ``RESUME_AT`` steps (``"snapshot"``); ``start`` (such a snapshot) resumes from there."""
+def train_sharded(run: Run, start: bytes | None = None) -> dict:
+    """This rank's slice of every batch; ``start`` (a plain run's model and optimizer state
+    dicts after ``RESUME_AT`` steps, saved by ``torch.save``) resumes from there. Returns the
+    params, the state dict (saved), the state's bytes and the clipped norms."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = make_model(run.param_dtype)
+    sharding = ShardingConfig(enable_overlap=run.overlap, master_dtype=run.master_dtype, degree=run.degree)
+    opt = ShardingStage1(
+        make_optimizer(run.cls, model.parameters()), strategy=Strategy(sharding=sharding), model=model
+    )
+    scaler = ShardedGradScaler("cpu", init_scale=INIT_SCALE) if run.scaler else None
+    first = 0
+    if start is not None:
+        saved = torch.load(io.BytesIO(start), weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        first = RESUME_AT
+    size = BATCH // world_size
+    norms = []
+    for step in range(first, STEPS):
+        inputs, targets = batch(step, run)
+        opt.zero_grad()
+        part = slice(rank * size, (rank + 1) * size)
+        loss = loss_of(model, inputs[part], targets[part])
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            continue
+        loss.backward()
+        if run.clip_norm is not None:
+            norms.append(opt.clip_grad_norm_(run.clip_norm))
+        opt.step()
+    opt.sync_params()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "state_dict": buffer.getvalue(),
+        "state_bytes": opt.memory_bytes()["optimizer_state"],
+        "norms": norms,
+        "scale": None if scaler is None else scaler.get_scale(),
+    }
+
+
+def train_plain(run: Run, slices: int = 1, norms: list | None = None, start: dict | None = None) -> dict:
+    """The plain class in one process, as the sharded ``run`` trains. ``slices`` > 1 averages
+    per-slice grads in fp32 as the ranks' reduction does (sum in slice order, then divide; with
+    ``run.degree``, the mean of each group of ``degree`` slices, then the mean of the means).
+    With ``run.master_dtype`` it steps master copies and casts them back into the params. With
+    ``run.clip_norm``, ``norms`` (the sharded run's global norms) clip the grads, so that the
+    norm's summation order, the only thing that differs, stays out of the comparison; None
+    clips by torch's own norm. Saves the model and optimizer after ``RESUME_AT`` steps
+    (``"snapshot"``, what ``train_sharded`` resumes from); ``start`` (such a snapshot, loaded)
+    resumes from there instead."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = make_model()
-        opt = make_optimizer(cls, model)
+        model = make_model(run.param_dtype)
+        params = list(model.parameters())
+        masters = params
+        if run.master_dtype is not None:
+            masters = [p.detach().to(run.master_dtype).requires_grad_(True) for p in params]
+        opt = make_optimizer(run.cls, masters)
         if start is not None:
             model.load_state_dict(start["model"])
             opt.load_state_dict(start["optimizer"])
-        params = list(model.parameters())
-        size = BATCH // slices
-        snapshot = None
+        scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE) if run.scaler else None
+        snapshot, torch_norms = None, []
         for step in range(RESUME_AT if start is not None else 0, STEPS):
             if step == RESUME_AT and start is None:
                 buffer = io.BytesIO()
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
                 snapshot = buffer.getvalue()
-            inputs, targets = batch(step)
-            grads = []
-            for index in range(slices):
-                model.zero_grad()
-                part = slice(index * size, (index + 1) * size)
-                loss_of(model, inputs[part], targets[part]).backward()
-                grads.append([p.grad.clone() for p in params])
-            for position, param in enumerate(params):
-                total = grads[0][position]
-                for other in grads[1:]:
-                    total = total + other[position]
-                param.grad = total / slices
-            opt.step()
-        return {"params": [p.detach().clone() for p in params], "optimizer": opt, "snapshot": snapshot}
+            grads = _slice_grads(model, batch(step, run), slices, scaler)
+            averages = [_average([g[i] for g in grads], run.degree or slices) for i in range(len(params))]
+            for master, average in zip(masters, averages, strict=True):
+                master.grad = average.to(master.dtype)
+            if run.clip_norm is not None:
+                torch_norms.append(torch.nn.utils.get_total_norm([m.grad for m in masters]))
+                norm = torch_norms[-1] if norms is None else norms[step]
+                torch.nn.utils.clip_grads_with_norm_(masters, run.clip_norm, norm)
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            with torch.no_grad():
+                for param, master in zip(params, masters, strict=True):
+                    if master is not param:
+                        param.copy_(master)
+        return {
+            "params": [p.detach().clone() for p in params],
+            "optimizer": opt,
+            "snapshot": snapshot,
+            "norms": torch_norms,
+            "scale": None if scaler is None else scaler.get_scale(),
+        }
     finally:
         torch.set_num_threads(threads)
+
+
+def _slice_grads(
+    model: nn.Module,
+    data: tuple[torch.Tensor, torch.Tensor],
+    slices: int,
+    scaler: torch.amp.GradScaler | None,
+) -> list[list[torch.Tensor]]:
+    """Each slice's grads of every param, in the params' dtype (of the scaled loss with a scaler)."""
+    inputs, targets = data
+    size = BATCH // slices
+    grads = []
+    for index in range(slices):
+        model.zero_grad()
+        part = slice(index * size, (index + 1) * size)
+        loss = loss_of(model, inputs[part], targets[part])
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads
+
+
+def _average(grads: list[torch.Tensor], degree: int) -> torch.Tensor:
+    """The mean in fp32 of each group of ``degree`` consecutive slices' grads (summed in slice
+    order, then divided), then of the groups' means: the reduce-scatter over a shard group, then
+    the all-reduce over the replicas (none without hybrid sharding)."""
+    means = []
+    for first in range(0, len(grads), degree):
+        total = grads[first].float()
+        for grad in grads[first + 1 : first + degree]:
+            total = total + grad.float()
+        means.append(total / degree)
+    if len(means) == 1:
+        return means[0]
+    total = means[0]
+    for mean in means[1:]:
+        total = total + mean
+    return total / len(means)
 
 
 def assert_same_state(got: dict, want: dict) -> None:

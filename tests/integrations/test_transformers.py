@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from tests.harness.dist_helper import run_ranks
@@ -138,3 +139,64 @@ def test_trainer_matches_one_process_run() -> None:
         assert resumed["norms"] == rank_result["norms"]
         for name, value in rank_result["params"].items():
             assert torch.equal(resumed["params"][name], value), name
+
+
+LOWBIT_WIDTH = 64
+"""A GPT-2 width at which torchao quantizes: the MLP's weights (16384 elements) are cut on their
+blocks, attention's ``c_attn`` (12288) is cut or kept whole, its ``c_proj`` (4096) kept whole."""
+
+
+def _train_lowbit(sharded: bool) -> dict:
+    """``TrainingArguments(optim="adamw_torch_8bit")``: transformers builds torchao's AdamW8bit
+    (decay and no-decay groups); the adapter wraps it like any optimizer. Without clipping: the
+    global norm is summed in another order than DDP's clip, and its last bit would move codes."""
+    from transformers import Trainer, TrainingArguments
+
+    from sharded_opt.integrations.transformers import ShardingStage1Trainer
+
+    quiet_rank()
+    with shared_folder() as folder:
+        arguments = TrainingArguments(
+            output_dir=folder,
+            use_cpu=True,
+            per_device_train_batch_size=GLOBAL_BATCH // torch.distributed.get_world_size(),
+            gradient_accumulation_steps=ACCUMULATION,
+            max_steps=4,
+            learning_rate=1e-3,
+            optim="adamw_torch_8bit",
+            max_grad_norm=0.0,
+            logging_steps=1,
+            save_strategy="no",
+            train_sampling_strategy="sequential",
+            report_to=[],
+            seed=0,
+            disable_tqdm=True,
+        )
+        cls = ShardingStage1Trainer if sharded else Trainer
+        trainer = cls(model=tiny_gpt2(LOWBIT_WIDTH), args=arguments, train_dataset=_Tokens())
+        trainer.train()
+    optimizer = trainer.optimizer.optimizer  # inside Accelerate's wrapper
+    state = optimizer.state_dict()["state"]  # collective with the adapter: every rank calls it
+    return {
+        **_history(trainer),
+        "optimizer": type(optimizer.shards.inner if sharded else optimizer).__name__,
+        "wrapped": type(optimizer).__name__,
+        "quantized": sorted({type(v).__name__ for s in state.values() for v in s.values()} - {"Tensor"}),
+    }
+
+
+@pytest.mark.timeout(900)  # torchao compiles its step per shape: tens of seconds each, once per process
+def test_trainer_optim_name_for_torchao_8bit_equals_ddp() -> None:
+    """On 2 ranks against plain Trainer with DDP on the same 2 ranks: the same optimizer class
+    from the same ``optim`` name, quantized state, losses and params bitwise equal."""
+    pytest.importorskip("torchao.optim")
+    ddp = run_ranks(_train_lowbit, 2, False, timeout_s=RANK_TIMEOUT_S)
+    sharded = run_ranks(_train_lowbit, 2, True, timeout_s=RANK_TIMEOUT_S)
+    for plain, result in zip(ddp, sharded, strict=True):
+        assert plain["model_type"] == "DistributedDataParallel" and result["model_type"] == "GPT2LMHeadModel"
+        assert (plain["wrapped"], result["wrapped"]) == ("AdamW8bit", "ShardingStage1")
+        assert plain["optimizer"] == result["optimizer"] == "AdamW8bit"
+        assert plain["quantized"] == result["quantized"] == ["OptimState8bit"]
+        assert result["losses"] == plain["losses"]
+        for name, value in plain["params"].items():
+            assert torch.equal(result["params"][name], value), name

@@ -1,14 +1,13 @@
 """torchao's low-bit Adam(W) (state quantized per block) under ShardingStage1 on 2 and 3 gloo
 ranks, against the same class in one process (Note [Cuts on quantization blocks] in
-``fusion/block_layout.py``).
-
-The model (``tests/harness/lowbit.py``) holds every kind of param the cut rules tell apart.
+``fusion/block_layout.py``). The model and loops: ``tests/harness/lowbit.py``.
 
 Tolerances: against one process over the whole batch, the project's fp32 parity tolerance
 (rtol=1e-6, atol=1e-7) is for AdamW's fp32 state; quantized state rounds each moment to its
 code, and a last-bit difference in a grad can move a value across a code boundary, so the
 comparison is bitwise against one process that averages the same slice grads as the reduction
-does, and loose against the whole batch.
+does (``tests/parity/test_lowbit_combinations.py`` measures the whole-batch gap, and compares
+with DDP).
 
 torchao compiles its step per tensor shape (tens of seconds on a loaded 2-core CPU the first
 time; inductor's cache keeps them), so the runs share one spawn per world size and the model is
@@ -18,36 +17,23 @@ small.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from sharded_opt import ShardingConfig, ShardingStage1, Strategy
 from sharded_opt.step.quantized_state import stored_bytes
 from tests.harness.dist_helper import run_ranks
 from tests.harness.lowbit import (
-    BATCH,
-    RESUME_AT,
-    STEPS,
+    Run,
     assert_same_state,
-    batch,
-    loss_of,
     make_model,
     make_optimizer,
     train_plain,
+    train_sharded,
 )
 
 pytest.importorskip("torchao.optim")
 pytestmark = pytest.mark.timeout(1800)  # torchao compiles its step per shape, see above
-
-
-@dataclass(frozen=True)
-class Run:
-    cls: str
-    overlap: bool
-
 
 RUNS = {
     "adamw8bit_sync": Run("AdamW8bit", overlap=False),
@@ -57,36 +43,6 @@ RUNS = {
 }
 
 
-def train_sharded(run: Run, start: bytes | None = None) -> dict:
-    """This rank's slice of every batch; ``start`` (a plain run's model and optimizer state
-    dicts after ``RESUME_AT`` steps, saved by ``torch.save``) resumes from there."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = make_model()
-    strategy = Strategy(sharding=ShardingConfig(enable_overlap=run.overlap))
-    opt = ShardingStage1(make_optimizer(run.cls, model), strategy=strategy, model=model)
-    first = 0
-    if start is not None:
-        saved = torch.load(io.BytesIO(start), weights_only=False)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        first = RESUME_AT
-    size = BATCH // world_size
-    for step in range(first, STEPS):
-        inputs, targets = batch(step)
-        opt.zero_grad()
-        part = slice(rank * size, (rank + 1) * size)
-        loss_of(model, inputs[part], targets[part]).backward()
-        opt.step()
-    opt.sync_params()
-    buffer = io.BytesIO()
-    torch.save(opt.state_dict(), buffer)
-    return {
-        "params": [p.detach().clone() for p in model.parameters()],
-        "state_dict": buffer.getvalue(),
-        "state_bytes": opt.memory_bytes()["optimizer_state"],
-    }
-
-
 def train_all(runs: list[Run], start: bytes) -> list[dict]:
     return [train_sharded(run) for run in runs] + [train_sharded(RUNS["adamw8bit_overlap"], start)]
 
@@ -94,7 +50,7 @@ def train_all(runs: list[Run], start: bytes) -> list[dict]:
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"world{ws}")
 def sharded_runs(request) -> tuple[int, dict[str, list[dict]]]:
     world_size = request.param
-    start = train_plain("AdamW8bit", slices=world_size)["snapshot"]
+    start = train_plain(RUNS["adamw8bit_sync"], slices=world_size)["snapshot"]
     per_rank = run_ranks(train_all, world_size, list(RUNS.values()), start)
     names = [*RUNS, "resumed_from_plain"]
     return world_size, {name: [r[i] for r in per_rank] for i, name in enumerate(names)}
@@ -103,7 +59,7 @@ def sharded_runs(request) -> tuple[int, dict[str, list[dict]]]:
 @pytest.mark.parametrize("name", list(RUNS))
 def test_bitwise_equal_to_one_process_averaging_the_same_slices(sharded_runs, name: str) -> None:
     world_size, results = sharded_runs
-    expected = train_plain(RUNS[name].cls, slices=world_size)["params"]
+    expected = train_plain(RUNS[name], slices=world_size)["params"]
     for rank, result in enumerate(results[name]):
         for index, (got, want) in enumerate(zip(result["params"], expected, strict=True)):
             assert torch.equal(got, want), f"rank {rank} param {index}: {(got - want).abs().max()}"
@@ -111,7 +67,7 @@ def test_bitwise_equal_to_one_process_averaging_the_same_slices(sharded_runs, na
 
 def test_resumed_from_a_plain_state_dict_is_bitwise_the_plain_run(sharded_runs) -> None:
     world_size, results = sharded_runs
-    expected = train_plain("AdamW8bit", slices=world_size)["params"]
+    expected = train_plain(RUNS["adamw8bit_sync"], slices=world_size)["params"]
     for rank, result in enumerate(results["resumed_from_plain"]):
         for index, (got, want) in enumerate(zip(result["params"], expected, strict=True)):
             assert torch.equal(got, want), f"rank {rank} param {index}: {(got - want).abs().max()}"
@@ -123,7 +79,7 @@ def test_state_dict_is_the_plain_classs_own_and_loads_into_it(sharded_runs, name
     moment, plain tensors for the others), equal to the plain run's; the plain class loads it
     and steps on as the plain run does."""
     world_size, results = sharded_runs
-    plain = train_plain(RUNS[name].cls, slices=world_size)
+    plain = train_plain(RUNS[name], slices=world_size)
     want = plain["optimizer"].state_dict()
     for result in results[name]:
         assert_same_state(torch.load(io.BytesIO(result["state_dict"]), weights_only=False), want)
@@ -132,7 +88,7 @@ def test_state_dict_is_the_plain_classs_own_and_loads_into_it(sharded_runs, name
     with torch.no_grad():
         for param, value in zip(model.parameters(), plain["params"], strict=True):
             param.copy_(value)
-    reloaded = make_optimizer(RUNS[name].cls, model)
+    reloaded = make_optimizer(RUNS[name].cls, model.parameters())
     reloaded.load_state_dict(saved)
     assert_same_state(reloaded.state_dict(), want)
 
@@ -143,7 +99,7 @@ def test_state_per_rank_is_a_share_of_the_plain_classs(sharded_runs, name: str) 
     1/N share of the plain class's plus, per cut param, the code books of its piece and the
     state of the elements padding displaces (at most 2 * 4096 per shard boundary)."""
     world_size, results = sharded_runs
-    plain = train_plain(RUNS[name].cls)["optimizer"]
+    plain = train_plain(RUNS[name])["optimizer"]
     plain_bytes = sum(stored_bytes(v) for state in plain.state.values() for v in state.values() if v.dim())
     code_books = 2 * 256 * 4  # exp_avg's and exp_avg_sq's, one per quantized piece (8-bit)
     for result in results[name]:
