@@ -133,8 +133,8 @@ class LocalShard:
             stale = _bits(self.published) != _bits(self.param_view)
         else:
             stale = master.to(self.param_view.dtype) != self.param_view
-        if master.device.type == "cpu" and not stale.any():  # on an accelerator .any() would sync
-            return
+            if master.device.type == "cpu" and not stale.any():  # on an accelerator .any() would sync
+                return
         master.copy_(torch.where(stale, self.param_view.to(master.dtype), master))
 
     @torch.no_grad()
@@ -149,10 +149,13 @@ class LocalShard:
             self.stepped_grad.copy_(self.reduced_grad)
 
 
+_INTEGER_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _bits(tensor: Tensor) -> Tensor:
     """``tensor``'s bits as integers of its width: compared, they tell any write, one of -0.0 over
     0.0 or of a nan included, which a float comparison misses."""
-    return tensor.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+    return tensor.view(_INTEGER_OF_WIDTH[tensor.element_size()])
 
 
 def _bitwise_equal(a: Tensor, b: Tensor) -> bool:

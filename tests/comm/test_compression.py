@@ -30,6 +30,7 @@ from sharded_opt.comm.compression import (
     average_compressed,
     reduce_scatter_compressed,
 )
+from sharded_opt.step.local_shard import LocalShard
 from tests.harness.dist_helper import run_ranks
 
 SETTINGS = {
@@ -97,6 +98,25 @@ def test_compression_settings_are_checked_when_set() -> None:
         sharding.grad_compression = "fp8"
     with pytest.raises(ValueError, match=r"param_compression expects one of None, 'int8' but got 'bf16'"):
         sharding.param_compression = "bf16"
+
+
+def test_the_write_check_sees_every_changed_bit() -> None:
+    """``refresh_master`` re-reads exactly the elements whose bits changed since the owner
+    published them: -0.0 over 0.0 and a nan's payload too, which a float comparison misses; an
+    unwritten shard leaves the master alone (it trails the params by a delta's rounding)."""
+    params = torch.tensor([0.0, float("nan"), 1.0, 2.0])
+    master = torch.tensor([1e-3, float("nan"), 1.0 + 1e-3, 2.0])
+    shard = LocalShard(
+        None, params, torch.zeros(4), master.clone(), torch.zeros(4), (), [], [], [], params.clone()
+    )
+    shard.refresh_master()
+    assert torch.equal(shard.stepped.view(torch.int32), master.view(torch.int32))
+    params[0] = -0.0
+    params.view(torch.int32)[1] += 1  # another nan
+    shard.refresh_master()
+    assert torch.equal(shard.stepped[2:], master[2:])
+    assert shard.stepped[0].item() == 0.0 and torch.signbit(shard.stepped[0])
+    assert shard.stepped.view(torch.int32)[1] == params.view(torch.int32)[1]
 
 
 # -- collectives against the Note's arithmetic ----------------------------------------------------
