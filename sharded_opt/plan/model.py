@@ -26,8 +26,13 @@ STATE_PROBE_NUMEL = 64
 """Elements of the small CPU tensor one step of the optimizer runs on to learn its state bytes
 per element (some classes, ASGD, call ``.item()`` and cannot step on the meta device)."""
 
-LOW_BIT_OPTIMIZERS = {path.rpartition(".")[2]: path for path in THIRD_PARTY_NEEDS_BY_PATH}
-"""torchao's low-bit classes by name (``AdamW8bit``...), their module imported only when named."""
+BITSANDBYTES_PREFIX = "bnb."
+LOW_BIT_OPTIMIZERS = {
+    (BITSANDBYTES_PREFIX if path.startswith("bitsandbytes.") else "") + path.rpartition(".")[2]: path
+    for path in THIRD_PARTY_NEEDS_BY_PATH
+}
+"""torchao's low-bit classes by name (``AdamW8bit``...) and bitsandbytes' by ``bnb.`` and name
+(``bnb.AdamW8bit``: the names are the same), their module imported only when named."""
 
 
 def resolve_optimizer(name: str | type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
@@ -42,7 +47,7 @@ def resolve_optimizer(name: str | type[torch.optim.Optimizer]) -> type[torch.opt
     if cls not in ELEMENTWISE_OPTIMIZERS and not (isinstance(cls, type) and _quantizes(cls)):
         known = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
         raise ValueError(
-            f"plan expects optimizer to name one of torch.optim's {known} or torchao's "
+            f"plan expects optimizer to name one of torch.optim's {known} or the low-bit "
             f"{', '.join(LOW_BIT_OPTIMIZERS)} but got {name!r}"
         )
     return cls
@@ -56,7 +61,8 @@ def _named_class(name: str) -> Any:
         return getattr(importlib.import_module(module), attribute)
     except ImportError as error:
         raise ValueError(
-            f"plan: {name} is torchao's; install it (pip install -e '.[lowbit]'): {error}"
+            f"plan: {name} is {'bitsandbytes' if name.startswith(BITSANDBYTES_PREFIX) else 'torchao'}'s; "
+            f"install it (pip install -e '.[lowbit]'): {error}"
         ) from error
 
 
