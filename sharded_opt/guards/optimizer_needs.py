@@ -62,9 +62,9 @@ class KeyedQuantizedState:
 class QuantizedBlocks:
     """How a class quantizes its state: per state tensor, codes and one scale per block of
     ``block_size`` elements counted from the tensor's start, for tensors of at least
-    ``min_numel`` elements holding whole blocks (plain state otherwise). The wrapper then cuts
-    params only on block edges that keep every piece's decision, see Note [Cuts on quantization
-    blocks] in ``fusion/block_layout.py``."""
+    ``min_numel`` elements holding whole blocks, or any last block with ``partial_last_block``
+    (plain state otherwise). The wrapper then cuts params only on block edges that keep every
+    piece's decision, see Note [Cuts on quantization blocks] in ``fusion/block_layout.py``."""
 
     block_size: Callable[[torch.optim.Optimizer], int]
     """The block size of an instance (torchao keeps it in ``optimizer.block_size``)."""

@@ -365,9 +365,10 @@ class _ExpectedKeys:
         bucket = plan.buckets[plan.slot(position).bucket_index]
         shape = (2,) * len(self._shards.buffers.params[position].shape) if bucket.whole_params else (2,)
         numel = self._shards.buffers.params[position].numel()
-        if self._shards.keyed_state is not None and bucket.block_grid.quantizes(numel):
+        grid = bucket.block_grid
+        if self._shards.keyed_state is not None and grid is not None and grid.quantizes(numel):
             # Such a class keeps other keys for the tensors it quantizes (scales, code books).
-            shape = (bucket.block_grid.first_quantized_numel,)
+            shape = (grid.first_quantized_numel,)
         key = (group, shape)
         if key not in self._probed:
             hyper = hyperparameters(self._saved_groups[group])
