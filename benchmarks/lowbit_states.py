@@ -1,7 +1,7 @@
-"""State bytes per param and step time of torchao's low-bit AdamW against torch's AdamW, plain
-in one process and under ShardingStage1 on 2 ranks.
+"""State bytes per param and step time of torchao's (or bitsandbytes') low-bit AdamW against
+torch's AdamW, plain in one process and under ShardingStage1 on 2 ranks.
 
-    python -m benchmarks.lowbit_states [--width 1024] [--steps 10]
+    python -m benchmarks.lowbit_states [--width 1024] [--steps 10] [--classes AdamW bnb.AdamW8bit]
 
 The model is an MLP of two ``width x width`` layers. Each rank reports its optimizer state
 (``memory_bytes()["optimizer_state"]``: codes, scales and code books for the quantized
@@ -23,6 +23,8 @@ from sharded_opt import ShardingStage1, spawn
 from sharded_opt.step.quantized_state import stored_bytes
 
 CLASSES = ("AdamW", "AdamW8bit", "AdamW4bit", "AdamWFp8")
+BITSANDBYTES_CLASSES = ("bnb.AdamW8bit", "bnb.Adam8bit")
+"""bitsandbytes' classes, by ``bnb.`` and name (torchao has classes of the same names)."""
 WARMUP = 3
 
 
@@ -31,9 +33,11 @@ def make(cls: str, width: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
     if cls == "AdamW":
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-    import torchao.optim
-
-    return model, getattr(torchao.optim, cls)(model.parameters(), lr=1e-3)
+    if cls.startswith("bnb."):
+        import bitsandbytes.optim as module
+    else:
+        import torchao.optim as module
+    return model, getattr(module, cls.removeprefix("bnb."))(model.parameters(), lr=1e-3)
 
 
 def measure(cls: str, width: int, steps: int, sharded: bool) -> tuple[float, float]:
@@ -55,12 +59,15 @@ def measure(cls: str, width: int, steps: int, sharded: bool) -> tuple[float, flo
     if sharded:
         state = opt.memory_bytes()["optimizer_state"]
     else:
-        state = sum(stored_bytes(v) for s in opt.state.values() for v in s.values() if v.dim())
+        # bitsandbytes' step is an int, not a tensor
+        state = sum(
+            stored_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+        )
     return state / numel, statistics.median(times)
 
 
-def sharded_rank(width: int, steps: int) -> dict[str, tuple[float, float]]:
-    result = {cls: measure(cls, width, steps, sharded=True) for cls in CLASSES}
+def sharded_rank(width: int, steps: int, classes: list[str]) -> dict[str, tuple[float, float]]:
+    result = {cls: measure(cls, width, steps, sharded=True) for cls in classes}
     dist.barrier()
     return result
 
@@ -69,13 +76,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--classes", nargs="+", default=list(CLASSES), choices=[*CLASSES, *BITSANDBYTES_CLASSES]
+    )
     args = parser.parse_args()
-    plain = {cls: measure(cls, args.width, args.steps, sharded=False) for cls in CLASSES}
-    ranks = spawn(sharded_rank, (args.width, args.steps), nprocs=2)
+    plain = {cls: measure(cls, args.width, args.steps, sharded=False) for cls in args.classes}
+    ranks = spawn(sharded_rank, (args.width, args.steps, args.classes), nprocs=2)
     print(f"MLP 2 x {args.width}^2, {args.steps} timed steps after {WARMUP}, one thread per process")
     print("| class | plain B/param | plain step ms | rank 0 B/param | rank 1 B/param | sharded ms (max) |")
     print("|---|---|---|---|---|---|")
-    for cls in CLASSES:
+    for cls in args.classes:
         per_rank = [r[cls] for r in ranks]
         print(
             f"| {cls} | {plain[cls][0]:.3f} | {plain[cls][1] * 1e3:.1f} | {per_rank[0][0]:.3f} | "

@@ -5,7 +5,11 @@ Note [Cuts on quantization blocks]
     variants) keep each state tensor as codes plus one scale per block of ``block_size``
     elements, the blocks counted from the start of the tensor they are given (its flat memory
     order), and they quantize a tensor only if it has at least ``min_numel`` (4096) elements and
-    a whole number of blocks; any other tensor keeps plain state. Sharded, the optimizer is given
+    a whole number of blocks; any other tensor keeps plain state. bitsandbytes' ``AdamW8bit``
+    and ``Adam8bit`` do the same with blocks of 256 except that they quantize a tensor of
+    ``min_numel`` or more whatever its last block (``partial_last_block``): there the last block
+    of a piece is the param's own last block, so the cut rule below holds unchanged, and every
+    param of ``min_numel`` or more is quantized. Sharded, the optimizer is given
     each param's piece in a rank's shard instead of the param, so a piece gets the numbers of the
     unsharded optimizer only if it makes the same decision and has the same blocks. So a cut
     (a shard boundary inside a param, ``at`` elements from its start) is allowed when:
@@ -46,14 +50,17 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class BlockGrid:
     """How an optimizer quantizes state: blocks of ``block_size`` elements from each tensor's
-    start, only for tensors of at least ``min_numel`` elements that hold whole blocks."""
+    start, only for tensors of at least ``min_numel`` elements that hold whole blocks (or any
+    last block, with ``partial_last_block``: bitsandbytes)."""
 
     block_size: int
     min_numel: int
+    partial_last_block: bool = False
 
     def quantizes(self, numel: int) -> bool:
         """Whether the optimizer keeps quantized state for a tensor of ``numel`` elements."""
-        return numel >= self.min_numel and numel % self.block_size == 0
+        whole_blocks = self.partial_last_block or numel % self.block_size == 0
+        return numel >= self.min_numel and whole_blocks
 
     @property
     def first_quantized_numel(self) -> int:

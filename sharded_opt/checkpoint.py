@@ -49,6 +49,7 @@ from sharded_opt.guards.messages import closed_error
 from sharded_opt.state.checkpoint_pieces import ParamPiece, PieceLoadPlanner, PieceSavePlanner
 from sharded_opt.state.quantized_checkpoint import (
     QuantizedLoad,
+    check_checkpointable,
     check_quantizer,
     quantized_save_entries,
     quantizer_entries,
@@ -82,7 +83,10 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
 
     Raises:
         FileExistsError: ``path`` exists and is not a checkpoint written by this function.
+        ValueError: the optimizer keeps quantized state under keys (bitsandbytes' 8-bit Adam),
+            which checkpoints do not hold yet.
     """
+    check_checkpointable("save_checkpoint", optimizer.shards)
     _check_all_ranks_enter("save_checkpoint", optimizer)
     optimizer.sync_params()
     final = Path(path)
@@ -111,8 +115,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
         FileNotFoundError: ``path`` holds no complete checkpoint.
         ValueError: the checkpoint belongs to another model or optimizer layout, its state
             was quantized by another optimizer class or block size (or this one quantizes and
-            it was not), or its files are damaged.
+            it was not), its files are damaged, or the optimizer keeps quantized state under
+            keys (bitsandbytes' 8-bit Adam), which checkpoints do not hold yet.
     """
+    check_checkpointable("load_checkpoint", optimizer.shards)
     folder = Path(path)
     if not (folder / ".metadata").is_file():
         raise FileNotFoundError(

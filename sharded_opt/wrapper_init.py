@@ -88,6 +88,7 @@ def build_runtime(
     shards = build_shards(optimizer, wrapper, plan, params, precisions, config, groups)
     if needs.quantized_blocks is not None:
         shards.shared_state_parts = needs.quantized_blocks.shared_parts
+        shards.keyed_state = needs.quantized_blocks.keyed
     grad_sync = GradSync(shards, config.enable_overlap)
     param_sync = ParamSync(shards.buckets, shards.comm)
     param_guard = ParamGuard(shards.buffers, param_sync)

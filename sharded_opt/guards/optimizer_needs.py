@@ -17,10 +17,12 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
 from fusion.block_layout import BlockGrid
+from sharded_opt.guards import bitsandbytes_settings as bnb
 
 NEEDS_ATTRIBUTE = "sharded_opt_needs"
 """The class attribute through which an optimizer class declares its :class:`OptimizerNeeds`."""
@@ -41,24 +43,47 @@ def newton_schulz_cost(shape: tuple[int, ...]) -> int:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class KeyedQuantizedState:
+    """Quantized state kept as plain tensors under keys of the param's state (bitsandbytes:
+    codes ``state1``/``state2`` of the param's shape, scales ``absmax1``/``absmax2``, code books
+    ``qmap1``/``qmap2``) rather than as one tensor subclass per moment (torchao). Codes are
+    element-wise and code books the same for every piece; only the scales need telling apart."""
+
+    per_block_keys: tuple[str, ...]
+    """Keys holding one value per block of the tensor, the last block possibly partial."""
+    saved_under: str | None = None
+    """The key under which the class's ``state_dict()`` nests ``saved_keys`` of each param's
+    state (bitsandbytes' ``__bnb_optimizer_quant_state__``, which its ``load_state_dict``
+    unnests); None: saved as kept."""
+    saved_keys: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class QuantizedBlocks:
     """How a class quantizes its state: per state tensor, codes and one scale per block of
     ``block_size`` elements counted from the tensor's start, for tensors of at least
-    ``min_numel`` elements holding whole blocks (plain state otherwise). The wrapper then cuts
-    params only on block edges that keep every piece's decision, see Note [Cuts on quantization
-    blocks] in ``fusion/block_layout.py``."""
+    ``min_numel`` elements holding whole blocks, or any last block with ``partial_last_block``
+    (plain state otherwise). The wrapper then cuts params only on block edges that keep every
+    piece's decision, see Note [Cuts on quantization blocks] in ``fusion/block_layout.py``."""
 
     block_size: Callable[[torch.optim.Optimizer], int]
     """The block size of an instance (torchao keeps it in ``optimizer.block_size``)."""
-    min_numel: int = 4096
-    """The smallest tensor the class quantizes (torchao and bitsandbytes: 4096)."""
+    min_numel: int | Callable[[torch.optim.Optimizer], int] = 4096
+    """The smallest tensor the class quantizes (torchao: 4096), or how to read it off an instance
+    (bitsandbytes' ``min_8bit_size``, a constructor argument)."""
+    partial_last_block: bool = False
+    """Whether a tensor of ``min_numel`` or more is quantized whatever its last block
+    (bitsandbytes) rather than only when it holds whole blocks (torchao)."""
     shared_parts: tuple[str, ...] = ("qmap",)
     """Inner tensors of a quantized value (``__tensor_flatten__``) that every piece holds whole,
     such as a lookup table of codes; every other inner tensor holds a fixed number of entries
     per element (codes) or per block (scales), in the tensor's order."""
+    keyed: KeyedQuantizedState | None = None
+    """Set for a class that keeps its quantized state as plain tensors under keys."""
 
     def grid(self, optimizer: torch.optim.Optimizer) -> BlockGrid:
-        return BlockGrid(self.block_size(optimizer), self.min_numel)
+        min_numel = self.min_numel if isinstance(self.min_numel, int) else self.min_numel(optimizer)
+        return BlockGrid(self.block_size(optimizer), min_numel, self.partial_last_block)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +109,12 @@ class OptimizerNeeds:
     quantized_blocks: QuantizedBlocks | None = None
     """Set for an element-wise class whose state is quantized block by block (torchao's
     ``AdamW8bit``): pieces are cut on its blocks. Not with ``whole_params``."""
+    settings: Callable[[torch.optim.Optimizer], dict[str, Any]] | None = None
+    """Constructor arguments an instance keeps outside ``defaults`` (bitsandbytes' ``args``),
+    passed to every copy of the class the wrapper builds, so that it steps as the instance."""
+    check: Callable[[torch.optim.Optimizer], None] | None = None
+    """Raises ``ValueError`` for an instance configured in a way the wrapper cannot shard
+    exactly (bitsandbytes' per-param overrides), before anything is built."""
 
     def __post_init__(self) -> None:
         if self.whole_params and self.quantized_blocks is not None:
@@ -105,6 +136,22 @@ TORCHAO_LOW_BIT = OptimizerNeeds(
 )
 """torchao's 8-bit, 4-bit and fp8 Adam(W): element-wise math, state quantized per block, all of
 it per param (``step`` included)."""
+BITSANDBYTES_8BIT = OptimizerNeeds(
+    whole_params=False,
+    state_per_param=True,
+    quantized_blocks=QuantizedBlocks(
+        block_size=lambda optimizer: bnb.BLOCK_NUMEL,
+        min_numel=bnb.min_8bit_size,
+        partial_last_block=True,
+        keyed=KeyedQuantizedState(
+            per_block_keys=bnb.PER_BLOCK_KEYS, saved_under=bnb.SAVED_UNDER, saved_keys=bnb.SAVED_KEYS
+        ),
+    ),
+    settings=bnb.constructor_settings,
+    check=bnb.check_shardable,
+)
+"""bitsandbytes' ``AdamW8bit`` and ``Adam8bit``: element-wise math, state quantized per block
+of 256 (the last one possibly partial), all of it per param (``step`` an int)."""
 ASSUMED_ELEMENTWISE = OptimizerNeeds(whole_params=False)
 """A class taken on the caller's word (``assume_elementwise=True``): it may keep state per
 ``step()`` call, so it is stepped once per ``step()``."""
@@ -121,8 +168,12 @@ there too."""
 
 
 THIRD_PARTY_NEEDS_BY_PATH = {
-    f"torchao.optim.adam.{name}": TORCHAO_LOW_BIT
-    for name in ("AdamW8bit", "AdamW4bit", "AdamWFp8", "Adam8bit", "Adam4bit", "AdamFp8")
+    **{
+        f"torchao.optim.adam.{name}": TORCHAO_LOW_BIT
+        for name in ("AdamW8bit", "AdamW4bit", "AdamWFp8", "Adam8bit", "Adam4bit", "AdamFp8")
+    },
+    "bitsandbytes.optim.adamw.AdamW8bit": BITSANDBYTES_8BIT,
+    "bitsandbytes.optim.adam.Adam8bit": BITSANDBYTES_8BIT,
 }
 """Classes of optional packages, by module and name: known without importing the package (an
 import of torchao costs seconds), and by exact type, as torch's."""

@@ -50,9 +50,19 @@ def check_optimizer(optimizer: object, assume_elementwise: bool) -> OptimizerNee
         )
     needs = declared_needs(type(optimizer))
     if needs is not None:
+        if needs.check is not None:
+            needs.check(optimizer)
         return needs
     if assume_elementwise:
         return ASSUMED_ELEMENTWISE
+    if type(optimizer).__module__.startswith("bitsandbytes."):
+        raise TypeError(
+            f"ShardingStage1 shards bitsandbytes' AdamW8bit and Adam8bit but got {type(optimizer).__name__}: "
+            "its update is not element-wise (LAMB/LARS trust ratios over the whole param), its state "
+            "is 32-bit or paged, or it is untested under sharding. Use bnb.optim.AdamW8bit or "
+            "Adam8bit, pass assume_elementwise=True for an element-wise one (32-bit AdamW), or "
+            "wrap the optimizer without ShardingStage1"
+        )
     elementwise = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
     whole = ", ".join(cls.__name__ for cls, n in TORCH_OPTIMIZERS.items() if n.whole_params)
     name = type(optimizer).__name__

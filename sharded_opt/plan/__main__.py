@@ -43,9 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="default",
                         help="module:callable (a factory, no arguments) or a built-in model")  # fmt: skip
     parser.add_argument("--optimizer", default="AdamW",
-                        help="a torch.optim class name, or one of torchao's low-bit classes "
-                             f"({', '.join(LOW_BIT_OPTIMIZERS)}; block_size through "
-                             "--optimizer-kwargs)")  # fmt: skip
+                        help="a torch.optim class name, or one of the low-bit classes of torchao "
+                             f"or bitsandbytes (bnb.) ({', '.join(LOW_BIT_OPTIMIZERS)}; torchao's "
+                             "block_size through --optimizer-kwargs)")  # fmt: skip
     parser.add_argument("--optimizer-kwargs", type=json.loads, default={}, help="JSON, e.g. '{\"lr\": 1e-3}'")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=None, help="default: all ranks on one node")

@@ -33,16 +33,21 @@ from sharded_opt.step.local_shard import BucketPrecision
 class StateSize:
     """Optimizer state bytes of one tensor the optimizer steps (a param, or a rank's piece of
     one) by its numel: ``per_element`` bytes each, or, for a tensor that ``grid`` quantizes,
-    ``quantized_per_element`` (codes and scales) each plus ``quantized_fixed`` (code books)."""
+    ``quantized_per_element`` (codes, and scales where blocks are whole) each plus
+    ``quantized_per_block`` per block begun (scales where the last block may be partial) plus
+    ``quantized_fixed`` (code books)."""
 
     per_element: int
     grid: BlockGrid | None = None
     quantized_per_element: Fraction = Fraction(0)
     quantized_fixed: int = 0
+    quantized_per_block: int = 0
 
     def nbytes(self, numel: int) -> int:
         if self.grid is not None and self.grid.quantizes(numel):
-            return int(self.quantized_per_element * numel) + self.quantized_fixed
+            blocks = -(-numel // self.grid.block_size)
+            fixed = self.quantized_fixed + self.quantized_per_block * blocks
+            return int(self.quantized_per_element * numel) + fixed
         return self.per_element * numel
 
 

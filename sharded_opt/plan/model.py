@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusion.block_layout import BlockGrid
 from fusion.layout import ParamSpec
 from sharded_opt.guards.optimizer_needs import THIRD_PARTY_NEEDS_BY_PATH, block_grid_of, declared_needs
 from sharded_opt.guards.validation import ELEMENTWISE_OPTIMIZERS, collect_params
@@ -26,13 +27,19 @@ STATE_PROBE_NUMEL = 64
 """Elements of the small CPU tensor one step of the optimizer runs on to learn its state bytes
 per element (some classes, ASGD, call ``.item()`` and cannot step on the meta device)."""
 
-LOW_BIT_OPTIMIZERS = {path.rpartition(".")[2]: path for path in THIRD_PARTY_NEEDS_BY_PATH}
-"""torchao's low-bit classes by name (``AdamW8bit``...), their module imported only when named."""
+BITSANDBYTES_PREFIX = "bnb."
+LOW_BIT_OPTIMIZERS = {
+    (BITSANDBYTES_PREFIX if path.startswith("bitsandbytes.") else "") + path.rpartition(".")[2]: path
+    for path in THIRD_PARTY_NEEDS_BY_PATH
+}
+"""torchao's low-bit classes by name (``AdamW8bit``...) and bitsandbytes' by ``bnb.`` and name
+(``bnb.AdamW8bit``: the names are the same), their module imported only when named."""
 
 
 def resolve_optimizer(name: str | type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     """The ``torch.optim`` class named ``name`` (``"AdamW"``), torchao's low-bit class of that
-    name (``"AdamW8bit"``), or the class itself.
+    name (``"AdamW8bit"``), bitsandbytes' of that name after ``bnb.`` (``"bnb.AdamW8bit"``), or
+    the class itself.
 
     Raises:
         ValueError: no such class, not one the planner models (element-wise optimizers, and
@@ -42,7 +49,7 @@ def resolve_optimizer(name: str | type[torch.optim.Optimizer]) -> type[torch.opt
     if cls not in ELEMENTWISE_OPTIMIZERS and not (isinstance(cls, type) and _quantizes(cls)):
         known = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
         raise ValueError(
-            f"plan expects optimizer to name one of torch.optim's {known} or torchao's "
+            f"plan expects optimizer to name one of torch.optim's {known} or the low-bit "
             f"{', '.join(LOW_BIT_OPTIMIZERS)} but got {name!r}"
         )
     return cls
@@ -56,7 +63,8 @@ def _named_class(name: str) -> Any:
         return getattr(importlib.import_module(module), attribute)
     except ImportError as error:
         raise ValueError(
-            f"plan: {name} is torchao's; install it (pip install -e '.[lowbit]'): {error}"
+            f"plan: {name} is {'bitsandbytes' if name.startswith(BITSANDBYTES_PREFIX) else 'torchao'}'s; "
+            f"install it (pip install -e '.[lowbit]'): {error}"
         ) from error
 
 
@@ -154,15 +162,34 @@ def state_sizes(
             plain = _probed_nbytes(optimizer, hyper, STATE_PROBE_NUMEL, dtype) // STATE_PROBE_NUMEL
             size = StateSize(plain)
             if grid is not None:
-                first = grid.first_quantized_numel
-                once = _probed_nbytes(optimizer, hyper, first, dtype)
-                per_element = Fraction(_probed_nbytes(optimizer, hyper, 2 * first, dtype) - once, first)
-                size = StateSize(plain, grid, per_element, once - int(per_element * first))
+                size = _quantized_size(optimizer, hyper, dtype, grid, plain)
             sizes[(group_index, dtype)] = size
         probe = torch.zeros(1, requires_grad=True)
         built = type(optimizer)([{**hyper, "params": [probe]}], **constructor_kwargs(optimizer))
         at_construction = at_construction or bool(built.state)
     return sizes, at_construction
+
+
+def _quantized_size(
+    optimizer: torch.optim.Optimizer, hyper: dict[str, Any], dtype: torch.dtype, grid: BlockGrid, plain: int
+) -> StateSize:
+    """Bytes of the smallest quantized tensor and of twice it give codes and scales per element
+    and the code books; where the last block may be partial, one element more (one block more)
+    tells the scales of a block from the codes of an element."""
+    first = grid.first_quantized_numel
+    once = _probed_nbytes(optimizer, hyper, first, dtype)
+    growth = _probed_nbytes(optimizer, hyper, 2 * first, dtype) - once
+    if not grid.partial_last_block:
+        per_element = Fraction(growth, first)
+        return StateSize(plain, grid, per_element, once - int(per_element * first))
+    one_more = _probed_nbytes(optimizer, hyper, first + 1, dtype) - once
+    blocks = first // grid.block_size
+    per_block = Fraction(one_more * first - growth, first - blocks)
+    per_element = one_more - per_block
+    if per_block.denominator != 1:
+        raise RuntimeError(f"plan: {type(optimizer).__name__}'s state grows by {per_block} bytes per block")
+    fixed = once - int(per_element * first) - int(per_block) * blocks
+    return StateSize(plain, grid, per_element, fixed, int(per_block))
 
 
 def _probed_nbytes(

@@ -63,6 +63,22 @@ def quantizer_entries(shards: OptimizerShards) -> dict[str, Tensor]:
     }
 
 
+def check_checkpointable(function: str, shards: OptimizerShards) -> None:
+    """Refuse a class that keeps quantized state under keys (bitsandbytes): its per-block scales
+    have no DCP entries yet.
+
+    Raises:
+        ValueError: the inner optimizer keeps such state.
+    """
+    if shards.keyed_state is not None:
+        raise ValueError(
+            f"{function} does not support {type(shards.inner).__name__}'s state yet (quantized "
+            "moments with per-block scales under keys); save and load opt.state_dict() instead "
+            "(torch.save of opt.state_dict(to_rank=0) on rank 0, then opt.load_state_dict(sd) on "
+            "every rank: it loads on any number of ranks and into the plain class)"
+        )
+
+
 def saved_quantizer_entries(saved: dict[str, Any]) -> dict[str, Tensor]:
     """Tensors to read the checkpoint's record into (none where it has no record)."""
     return {

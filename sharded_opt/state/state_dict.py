@@ -24,6 +24,7 @@ Note [Element-wise and scalar state]
 from __future__ import annotations
 
 import dataclasses
+import math
 from fractions import Fraction
 from typing import Any
 
@@ -35,6 +36,7 @@ from fusion.buffers import flatten_to_slot, view_slot
 from fusion.layout import ParamSlot, ShardPiece
 from sharded_opt.comm.collective_guard import EntryGuard
 from sharded_opt.guards.param_guard import ParamWaiter
+from sharded_opt.state.keyed_state import nested, per_block_slice, unnested
 from sharded_opt.step.inner_optimizer import (
     ParamState,
     hyperparameters,
@@ -75,8 +77,7 @@ def describe_param_states(shards: OptimizerShards, local: dict[int, ParamState])
         first_inner = _first_inner_param(shards, index)
         first_state = shards.inner.state[first_inner]
         own[index] = {
-            key: _describe(value, first_state[key], first_inner, shards.shared_state_parts)
-            for key, value in state.items()
+            key: _describe(key, value, first_state[key], first_inner, shards) for key, value in state.items()
         }
     if not shards.comm.sharded:
         return dict(sorted(own.items()))  # param order, as torch's state_dict lists them
@@ -88,12 +89,17 @@ def describe_param_states(shards: OptimizerShards, local: dict[int, ParamState])
     return dict(sorted(merged.items()))
 
 
-def _describe(value: Any, first_value: Any, first_inner: Tensor, shared: tuple[str, ...]) -> tuple[str, Any]:
+def _describe(
+    key: str, value: Any, first_value: Any, first_inner: Tensor, shards: OptimizerShards
+) -> tuple[str, Any]:
     """One key's description: ``("quantized", format)`` for a quantized value (its parts are
-    assembled like element-wise values, see ``quantized_state``), ``("elementwise", dtype)``
-    or ``("scalar", value)``."""
+    assembled like element-wise values, see ``quantized_state``), ``("per_block", dtype)`` for
+    scales kept under a key (see ``keyed_state``), ``("elementwise", dtype)`` or ``("scalar",
+    value)``."""
     if is_quantized(value):
-        return "quantized", format_of(value, shared)
+        return "quantized", format_of(value, shards.shared_state_parts)
+    if shards.keyed_state is not None and key in shards.keyed_state.per_block_keys:
+        return "per_block", value.dtype
     if is_elementwise(first_value, first_inner):
         return "elementwise", value.dtype
     return "scalar", value
@@ -113,16 +119,18 @@ key (each a round trip), while the transient memory beyond the local shards stay
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Flat:
     """One flat tensor of a param's state to assemble: an element-wise value (``part`` None) or
-    one per-element part of a quantized value, ``ratio`` entries per element of the param."""
+    one per-element part of a quantized value, ``ratio`` entries per element of the param (per
+    block: the last block's entry counts whole, see ``keyed_state``)."""
 
     index: int
     key: str
     dtype: torch.dtype
     part: str | None = None
     ratio: Fraction = Fraction(1)
+    per_block: bool = False
 
     def numel(self, params: list[Tensor]) -> int:
-        return int(params[self.index].numel() * self.ratio)
+        return math.ceil(params[self.index].numel() * self.ratio)
 
     def local(self, state: ParamState, fmt: QuantizedFormat | None) -> Tensor:
         value = state[self.key]
@@ -151,6 +159,10 @@ def gather_state_dict(shards: OptimizerShards, to_rank: int | None) -> dict[str,
                 flats.extend(
                     _Flat(index, key, dtype, part, ratio) for part, (ratio, dtype) in value.ratios.items()
                 )
+            elif kind == "per_block":
+                flats.append(
+                    _Flat(index, key, value, ratio=Fraction(1, _block_size(shards, index)), per_block=True)
+                )
             else:
                 flats.append(_Flat(index, key, value))
         state[index] = entry
@@ -158,7 +170,9 @@ def gather_state_dict(shards: OptimizerShards, to_rank: int | None) -> dict[str,
     parts: dict[tuple[int, str], dict[str, Tensor]] = {}
     for batch in _gather_batches(shards, flats):
         for flat, full in _assemble(shards, batch, local, pieces, to_rank, formats):
-            if flat.part is None:
+            if flat.per_block:
+                state[flat.index][flat.key] = full
+            elif flat.part is None:
                 state[flat.index][flat.key] = view_slot(full, shards.plan.slot(flat.index))
             else:
                 parts.setdefault((flat.index, flat.key), {})[flat.part] = full
@@ -167,7 +181,16 @@ def gather_state_dict(shards: OptimizerShards, to_rank: int | None) -> dict[str,
             state[index][key] = fmt.build(parts[index, key], shards.plan.slot(index).shape)
     if to_rank is not None and shards.groups.world_rank != to_rank:
         return None
+    if shards.keyed_state is not None:
+        state = {index: nested(entry, shards.keyed_state) for index, entry in state.items()}
     return {"state": state, "param_groups": indexed_groups(shards.param_groups)}
+
+
+def _block_size(shards: OptimizerShards, index: int) -> int:
+    grid = shards.plan.buckets[shards.plan.slot(index).bucket_index].block_grid
+    if grid is None:
+        raise RuntimeError(f"param {index} has per-block state but its bucket has no block grid")
+    return grid.block_size
 
 
 def _gather_batches(shards: OptimizerShards, flats: list[_Flat]) -> list[list[_Flat]]:
@@ -265,6 +288,8 @@ def load_state_dict(shards: OptimizerShards, state_dict: dict[str, Any]) -> None
             f"ShardingStage1.load_state_dict: state for param ids {unknown[:8]} that no param group lists"
         )
     saved_state = {by_position[k]: v for k, v in state_dict["state"].items()}
+    if shards.keyed_state is not None:
+        saved_state = {k: unnested(v, shards.keyed_state) for k, v in saved_state.items()}
     group_of = [g for g, group in enumerate(saved_groups) for _ in group["params"]]
     expected = _ExpectedKeys(shards, saved_groups, group_of)
     for position, entry in saved_state.items():
@@ -339,6 +364,11 @@ class _ExpectedKeys:
         plan = self._shards.plan
         bucket = plan.buckets[plan.slot(position).bucket_index]
         shape = (2,) * len(self._shards.buffers.params[position].shape) if bucket.whole_params else (2,)
+        numel = self._shards.buffers.params[position].numel()
+        grid = bucket.block_grid
+        if self._shards.keyed_state is not None and grid is not None and grid.quantizes(numel):
+            # Such a class keeps other keys for the tensors it quantizes (scales, code books).
+            shape = (grid.first_quantized_numel,)
         key = (group, shape)
         if key not in self._probed:
             hyper = hyperparameters(self._saved_groups[group])
@@ -357,9 +387,12 @@ def _local_states(
         if piece is None:
             continue
         elementwise = expected.of(position)
+        keyed = shards.keyed_state
         states[position] = {
             key: _cut(value, piece, shards.plan.slot(position), shards.shared_state_parts)
             if elementwise[key]
+            else per_block_slice(value, piece.param_start, piece.numel, _block_size(shards, position))
+            if keyed is not None and key in keyed.per_block_keys
             else value
             for key, value in entry.items()
         }

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from fusion.buffers import flatten_to_slot, view_slot
 from fusion.layout import ParamSlot
+from sharded_opt.guards.optimizer_needs import declared_needs
 from sharded_opt.step.local_shard import LocalShard
 
 ParamState = dict[str, Any]
@@ -27,9 +28,14 @@ order (the concatenation of its local pieces)."""
 
 def constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's defaults that its constructor accepts (AdamW's defaults, for one, carry
-    ``decoupled_weight_decay``, which its constructor does not take)."""
+    ``decoupled_weight_decay``, which its constructor does not take), and the settings its
+    class declares it keeps outside them (``OptimizerNeeds.settings``)."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    return {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    kwargs = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    needs = declared_needs(type(optimizer))
+    if needs is not None and needs.settings is not None:
+        kwargs.update(needs.settings(optimizer))
+    return kwargs
 
 
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ needs the wrapper itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -22,6 +22,9 @@ from sharded_opt.step.bucket import Bucket
 from sharded_opt.step.inner_optimizer import add_shard
 from sharded_opt.step.local_shard import LocalShard
 from sharded_opt.step.quantized_state import state_nbytes
+
+if TYPE_CHECKING:
+    from sharded_opt.guards.optimizer_needs import KeyedQuantizedState
 
 
 class ParamGroupsOwner(Protocol):
@@ -51,6 +54,9 @@ class OptimizerShards:
     shared_state_parts: tuple[str, ...] = ()
     """Inner tensors of quantized state values that every piece holds whole
     (``QuantizedBlocks.shared_parts``), see ``quantized_state``."""
+    keyed_state: KeyedQuantizedState | None = None
+    """How a class that keeps quantized state under keys lays it out (bitsandbytes), see
+    ``keyed_state``."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

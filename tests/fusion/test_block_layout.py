@@ -13,6 +13,7 @@ from fusion.block_layout import BlockGrid
 from fusion.layout import ParamSpec, plan_layout
 
 TORCHAO_8BIT = BlockGrid(block_size=256, min_numel=4096)
+BITSANDBYTES_8BIT = BlockGrid(block_size=256, min_numel=4096, partial_last_block=True)
 
 
 def specs(numels: list[int]) -> list[ParamSpec]:
@@ -22,7 +23,7 @@ def specs(numels: list[int]) -> list[ParamSpec]:
 @pytest.mark.parametrize("seed", range(40))
 def test_every_piece_gets_the_decision_and_blocks_of_its_whole_param(seed: int) -> None:
     rng = random.Random(seed)
-    grid = rng.choice([TORCHAO_8BIT, BlockGrid(128, 4096), BlockGrid(2048, 4096)])
+    grid = rng.choice([TORCHAO_8BIT, BlockGrid(128, 4096), BlockGrid(2048, 4096), BITSANDBYTES_8BIT])
     world_size = rng.choice([2, 3, 4, 8])
     sizes = [1, 7, 100, 4095, 4096, 4100, 4352, 8192, 8448, 12288, 65536, 100_000]
     numels = [rng.choice([*sizes, 256 * rng.randint(1, 200), rng.randint(1, 30_000)]) for _ in range(12)]
@@ -37,6 +38,19 @@ def test_every_piece_gets_the_decision_and_blocks_of_its_whole_param(seed: int) 
                 assert grid.quantizes(piece.numel) == grid.quantizes(whole), (whole, piece)
                 if grid.quantizes(whole):
                     assert piece.param_start % grid.block_size == 0, (whole, piece)
+
+
+@pytest.mark.parametrize(
+    ("numel", "at", "allowed"),
+    [(16384, 8192, True), (10000, 5120, True), (12288, 4096, True), (8192, 4096, True),
+     (10000, 5000, False), (6000, 3072, False), (4097, 4096, False), (4095, 1000, True)],
+)  # fmt: skip
+def test_bitsandbytes_cuts_are_the_measured_ones(numel: int, at: int, allowed: bool) -> None:
+    """The cuts measured bitwise (or not) against the whole param in one process, bitsandbytes
+    0.50.2 (benchmarks/results/2026-12-07-lowbit-combinations-cpu-2core.md): block edges with
+    4096 or more elements each side, whatever the param's last block."""
+    assert BITSANDBYTES_8BIT.allows_cut(numel, at) is allowed
+    assert BITSANDBYTES_8BIT.quantizes(10000) and not TORCHAO_8BIT.quantizes(10000)
 
 
 def test_worked_example_two_ranks() -> None:

@@ -15,13 +15,16 @@ whole in one shard) and small biases (plain state, cut anywhere).
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from sharded_opt import ShardedGradScaler, ShardingConfig, ShardingStage1, Strategy
+from tests.harness.dist_helper import run_ranks
 
 STEPS = 10
 RESUME_AT = 6
@@ -32,7 +35,7 @@ INIT_SCALE = 2.0**8
 
 
 class LowBitModel(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, tail_numel: int = 0) -> None:
         super().__init__()
         self.fc1 = nn.Linear(FEATURES, 1024)  # weight 32768: quantized, cut on blocks on 2 and 3 ranks
         self.fc2 = nn.Linear(1024, 17)  # weight 17408: quantized, may be cut
@@ -40,10 +43,14 @@ class LowBitModel(nn.Module):
         self.fc4 = nn.Linear(256, 16)  # 4096: quantized (the threshold itself), whole
         self.head = nn.Linear(16, 2)
         self.gain = nn.Parameter(torch.ones(4097))  # 4096 or more, not whole blocks: plain, whole
+        # bitsandbytes quantizes a param whatever its last block: one with a partial last block
+        # that is long enough to be cut (none for torchao, so its compiled shapes stay the same).
+        self.tail = nn.Parameter(torch.linspace(0.5, 1.5, tail_numel)) if tail_numel else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = torch.relu(self.fc2(torch.relu(self.fc1(x))))
-        return self.head(torch.tanh(self.fc4(torch.relu(self.fc3(hidden))))) * self.gain.mean()
+        out = self.head(torch.tanh(self.fc4(torch.relu(self.fc3(hidden))))) * self.gain.mean()
+        return out if self.tail is None else out * self.tail.square().mean()
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,7 @@ class Run:
     """One sharded training of the model and what its reference does alike.
 
     Attributes:
-        cls: the torchao class, by name.
+        cls: the torchao class, by name; ``bnb.<name>``: bitsandbytes' class.
         overlap: ``ShardingConfig(enable_overlap=...)``.
         param_dtype: the model's dtype (the loss is computed in fp32).
         master_dtype: ``ShardingConfig(master_dtype=...)``; the reference steps masters of it.
@@ -70,18 +77,31 @@ class Run:
     scaler: bool = False
     degree: int | None = None
 
+    @property
+    def tail_numel(self) -> int:
+        """bitsandbytes' runs add a 20000-element param (78 blocks and a partial one), cut on 2 and
+        3 ranks."""
+        return BNB_TAIL_NUMEL if self.cls.startswith(BNB_PREFIX) else 0
 
-def make_model(dtype: torch.dtype = torch.float32, seed: int = 0) -> LowBitModel:
+
+BNB_PREFIX = "bnb."
+BNB_TAIL_NUMEL = 20000
+
+
+def make_model(dtype: torch.dtype = torch.float32, seed: int = 0, tail_numel: int = 0) -> LowBitModel:
     torch.manual_seed(seed)
-    return LowBitModel().to(dtype)
+    return LowBitModel(tail_numel).to(dtype)
 
 
 def make_optimizer(cls: str, params, **kwargs) -> torch.optim.Optimizer:
-    """torchao's class named ``cls`` over ``params``, with the tests' settings (torchao is
-    imported here, so a test module can skip first when it is missing)."""
-    import torchao.optim
-
-    return getattr(torchao.optim, cls)(params, lr=1e-2, weight_decay=0.05, **kwargs)
+    """torchao's class named ``cls`` (bitsandbytes' for ``bnb.<name>``) over ``params``, with the
+    tests' settings (the package is imported here, so a test module can skip first when it is
+    missing)."""
+    if cls.startswith(BNB_PREFIX):
+        import bitsandbytes.optim as module
+    else:
+        import torchao.optim as module
+    return getattr(module, cls.removeprefix(BNB_PREFIX))(params, lr=1e-2, weight_decay=0.05, **kwargs)
 
 
 def batch(step: int, run: Run) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +122,7 @@ def train_sharded(run: Run, start: bytes | None = None) -> dict:
     dicts after ``RESUME_AT`` steps, saved by ``torch.save``) resumes from there. Returns the
     params, the state dict (saved), the state's bytes and the clipped norms."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = make_model(run.param_dtype)
+    model = make_model(run.param_dtype, tail_numel=run.tail_numel)
     sharding = ShardingConfig(enable_overlap=run.overlap, master_dtype=run.master_dtype, degree=run.degree)
     opt = ShardingStage1(
         make_optimizer(run.cls, model.parameters()), strategy=Strategy(sharding=sharding), model=model
@@ -142,6 +162,42 @@ def train_sharded(run: Run, start: bytes | None = None) -> dict:
     }
 
 
+def train_all(runs: list[Run], resumed: Run, start: bytes) -> list[dict]:
+    """On this rank, :func:`train_sharded` of each of ``runs``, then ``resumed`` from ``start``."""
+    return [train_sharded(run) for run in runs] + [train_sharded(resumed, start)]
+
+
+def spawn_runs(
+    runs: dict[str, Run], snapshot_of: Run, resumed: Run, world_size: int
+) -> dict[str, list[dict]]:
+    """Per name, each rank's result of ``runs`` on ``world_size`` ranks (one spawn for all), and
+    as ``"resumed_from_plain"`` the ranks' results of ``resumed`` started from the plain run of
+    ``snapshot_of``'s snapshot."""
+    start = train_plain(snapshot_of, slices=world_size)["snapshot"]
+    per_rank = run_ranks(train_all, world_size, list(runs.values()), resumed, start)
+    names = [*runs, "resumed_from_plain"]
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(names)}
+
+
+def sharded_runs_fixture(runs: dict[str, Run]) -> Callable:
+    """A test module's ``sharded_runs`` fixture: ``(world_size, spawn_runs(...))`` on 2 and 3
+    ranks, resuming the ``"adamw8bit_overlap"`` run from the ``"adamw8bit_sync"`` snapshot."""
+
+    @pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"world{ws}")
+    def sharded_runs(request: pytest.FixtureRequest) -> tuple[int, dict[str, list[dict]]]:
+        world_size = request.param
+        return world_size, spawn_runs(runs, runs["adamw8bit_sync"], runs["adamw8bit_overlap"], world_size)
+
+    return sharded_runs
+
+
+def assert_params_equal(results: list[dict], expected: list[torch.Tensor]) -> None:
+    """Every rank's params are bitwise ``expected``."""
+    for rank, result in enumerate(results):
+        for index, (got, want) in enumerate(zip(result["params"], expected, strict=True)):
+            assert torch.equal(got, want), f"rank {rank} param {index}: {(got - want).abs().max()}"
+
+
 def train_plain(run: Run, slices: int = 1, norms: list | None = None, start: dict | None = None) -> dict:
     """The plain class in one process, as the sharded ``run`` trains. ``slices`` > 1 averages
     per-slice grads in fp32 as the ranks' reduction does (sum in slice order, then divide; with
@@ -155,7 +211,7 @@ def train_plain(run: Run, slices: int = 1, norms: list | None = None, start: dic
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = make_model(run.param_dtype)
+        model = make_model(run.param_dtype, tail_numel=run.tail_numel)
         params = list(model.parameters())
         masters = params
         if run.master_dtype is not None:
@@ -238,18 +294,30 @@ def _average(grads: list[torch.Tensor], degree: int) -> torch.Tensor:
 
 def assert_same_state(got: dict, want: dict) -> None:
     """Two optimizer state dicts are equal bitwise: param groups, keys, and every plain tensor
-    or quantized value's inner tensors (codes, scales, code book) and attributes."""
+    or quantized value's inner tensors (codes, scales, code book) and attributes; nested dicts
+    (bitsandbytes' ``__bnb_optimizer_quant_state__``) and Python scalars (its ``step``) alike."""
     assert got["param_groups"] == want["param_groups"]
     assert got["state"].keys() == want["state"].keys()
     for index, state in want["state"].items():
-        assert got["state"][index].keys() == state.keys(), index
-        for key, value in state.items():
-            mine = got["state"][index][key]
-            assert type(mine) is type(value) and mine.shape == value.shape, (index, key)
-            if type(value) is torch.Tensor:
-                assert torch.equal(mine, value), (index, key)
-                continue
-            names, attributes = value.__tensor_flatten__()
-            assert mine.__tensor_flatten__()[1] == attributes, (index, key)
-            for name in names:
-                assert torch.equal(getattr(mine, name), getattr(value, name)), (index, key, name)
+        _assert_same_entry(got["state"][index], state, (index,))
+
+
+def _assert_same_entry(got: dict, want: dict, where: tuple) -> None:
+    assert got.keys() == want.keys(), where
+    for key, value in want.items():
+        mine = got[key]
+        assert type(mine) is type(value), (*where, key)
+        if isinstance(value, dict):
+            _assert_same_entry(mine, value, (*where, key))
+            continue
+        if not isinstance(value, torch.Tensor):
+            assert mine == value, (*where, key)
+            continue
+        assert mine.shape == value.shape and mine.dtype == value.dtype, (*where, key)
+        if type(value) is torch.Tensor:
+            assert torch.equal(mine, value), (*where, key)
+            continue
+        names, attributes = value.__tensor_flatten__()
+        assert mine.__tensor_flatten__()[1] == attributes, (*where, key)
+        for name in names:
+            assert torch.equal(getattr(mine, name), getattr(value, name)), (*where, key, name)

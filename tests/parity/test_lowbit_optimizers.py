@@ -22,14 +22,14 @@ import pytest
 import torch
 
 from sharded_opt.step.quantized_state import stored_bytes
-from tests.harness.dist_helper import run_ranks
 from tests.harness.lowbit import (
     Run,
+    assert_params_equal,
     assert_same_state,
     make_model,
     make_optimizer,
+    sharded_runs_fixture,
     train_plain,
-    train_sharded,
 )
 
 pytest.importorskip("torchao.optim")
@@ -43,34 +43,19 @@ RUNS = {
 }
 
 
-def train_all(runs: list[Run], start: bytes) -> list[dict]:
-    return [train_sharded(run) for run in runs] + [train_sharded(RUNS["adamw8bit_overlap"], start)]
-
-
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"world{ws}")
-def sharded_runs(request) -> tuple[int, dict[str, list[dict]]]:
-    world_size = request.param
-    start = train_plain(RUNS["adamw8bit_sync"], slices=world_size)["snapshot"]
-    per_rank = run_ranks(train_all, world_size, list(RUNS.values()), start)
-    names = [*RUNS, "resumed_from_plain"]
-    return world_size, {name: [r[i] for r in per_rank] for i, name in enumerate(names)}
+sharded_runs = sharded_runs_fixture(RUNS)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_bitwise_equal_to_one_process_averaging_the_same_slices(sharded_runs, name: str) -> None:
     world_size, results = sharded_runs
-    expected = train_plain(RUNS[name], slices=world_size)["params"]
-    for rank, result in enumerate(results[name]):
-        for index, (got, want) in enumerate(zip(result["params"], expected, strict=True)):
-            assert torch.equal(got, want), f"rank {rank} param {index}: {(got - want).abs().max()}"
+    assert_params_equal(results[name], train_plain(RUNS[name], slices=world_size)["params"])
 
 
 def test_resumed_from_a_plain_state_dict_is_bitwise_the_plain_run(sharded_runs) -> None:
     world_size, results = sharded_runs
     expected = train_plain(RUNS["adamw8bit_sync"], slices=world_size)["params"]
-    for rank, result in enumerate(results["resumed_from_plain"]):
-        for index, (got, want) in enumerate(zip(result["params"], expected, strict=True)):
-            assert torch.equal(got, want), f"rank {rank} param {index}: {(got - want).abs().max()}"
+    assert_params_equal(results["resumed_from_plain"], expected)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

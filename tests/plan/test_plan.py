@@ -67,6 +67,12 @@ def lowbit_net() -> nn.Module:
     return LowBitNet()
 
 
+def partial_block_net() -> nn.Module:
+    """Weights bitsandbytes quantizes whatever their last block: 37 x 300 (43 blocks of 256 and
+    a partial one, cut on 2 ranks) and 300 x 17 (19 and a partial one, whole on one rank)."""
+    return nn.Sequential(nn.Linear(37, 300), nn.ReLU(), nn.Linear(300, 17))
+
+
 def bf16_net() -> nn.Module:
     return OddNet().to(torch.bfloat16)
 
@@ -181,6 +187,12 @@ def test_bytes_equal_the_wrappers_report(world_size: int) -> None:
 def test_low_bit_state_bytes_equal_the_wrappers_report(world_size: int) -> None:
     pytest.importorskip("torchao.optim")
     _check_against_the_wrapper(world_size, LOW_BIT_CASES[world_size])
+
+
+def test_bitsandbytes_state_bytes_equal_the_wrappers_report() -> None:
+    """Codes, a scale per block begun (the last one partial) and code books, per rank."""
+    pytest.importorskip("bitsandbytes")
+    _check_against_the_wrapper(2, [Case("partial_block_net", "bnb.AdamW8bit", {})])
 
 
 def _check_against_the_wrapper(world_size: int, cases: list[Case]) -> None:
