@@ -9,6 +9,11 @@ Python ships with, so nothing is downloaded: the help topics of Python's own doc
 (``pydoc_data.topics``), its last tenth held out. The held-out loss is measured on a fixed set
 of held-out batches every ``--eval-every`` steps and at the end.
 
+One setting, ``exact-ulp``, is the control: the exact wire, but every initial param moved by one
+ulp. Trajectories part after any tiny difference, so how far it ends from exact is the spread a
+setting shows without costing anything; a setting's distance from exact means something only
+beyond that spread.
+
 Every setting is also checked: every loss finite, and both ranks holding bitwise the same params
 at the end (an int8 param delta that two ranks applied differently would break training
 silently). Writes a JSON file (``--out``) with each setting's curves, its final held-out loss
@@ -42,13 +47,33 @@ from benchmarks.modes import AdamWConfig, Compression
 from benchmarks.report import environment, write_json
 from sharded_opt import ShardingConfig, ShardingStage1, Strategy, spawn
 
-SETTINGS: dict[str, Compression] = {
-    "exact": Compression(),
-    "bf16": Compression(grad="bf16"),
-    "int8-grads": Compression(grad="int8"),
-    "int8": Compression(grad="int8", param="int8"),
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """What one setting changes against exact training; nothing else differs between settings."""
+
+    compression: Compression = Compression()
+    """The wire: ``ShardingConfig.grad_compression`` and ``param_compression``."""
+    ulp_nudge: bool = False
+    """Move every initial param element one ulp (``torch.nextafter``) towards +inf or -inf, the
+    direction drawn from the run's seed (:func:`nudge_one_ulp`): the smallest change a run can
+    have, so the control for how far trajectories spread apart after any difference."""
+
+
+SETTINGS: dict[str, Setting] = {
+    "exact": Setting(),
+    "exact-ulp": Setting(ulp_nudge=True),
+    "bf16": Setting(Compression(grad="bf16")),
+    "int8-grads": Setting(Compression(grad="int8")),
+    "int8": Setting(Compression(grad="int8", param="int8")),
 }
-"""Exact first: the others are compared with it."""
+"""Exact first: the others are compared with it. ``exact-ulp`` is the control: the exact wire
+from one-ulp-nudged initial params, its distance from exact the run-to-run spread."""
+
+ULP_NUDGE_SEED_OFFSET = 1_000_000
+"""Added to the run's seed to seed the nudge's directions: far from the seeds the run already
+uses (``seed`` for the weights and batches, ``seed + 1`` for the held-out batches), so the
+directions are a stream of their own."""
 
 MODEL = GPTConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4)
 """0.44M params: big enough to learn English words and the docs' markup, small enough that the
@@ -107,7 +132,7 @@ def lr_factor(step: int, config: ConvergenceConfig) -> float:
 
 def strategy_for(setting: str, overlap: bool) -> Strategy:
     """The default strategy but for the setting's wire: settings differ in nothing else."""
-    compression = SETTINGS[setting]
+    compression = SETTINGS[setting].compression
     return Strategy(
         sharding=ShardingConfig(
             enable_overlap=overlap,
@@ -129,6 +154,8 @@ def train_rank(config: ConvergenceConfig, setting: str) -> dict:
     heldout = RankBatches(heldout_text, dataclasses.replace(data, seed=config.seed + 1), rank, world_size)
     heldout_set = [heldout.batch(index) for index in range(config.eval_batches)]
     model = build_gpt(config.model, config.seed)
+    if SETTINGS[setting].ulp_nudge:
+        nudge_one_ulp(model, config.seed + ULP_NUDGE_SEED_OFFSET)
     optimizer = ShardingStage1(
         torch.optim.AdamW(model.parameters(), **config.adamw.kwargs()),
         strategy=strategy_for(setting, config.overlap),
@@ -153,6 +180,17 @@ def train_rank(config: ConvergenceConfig, setting: str) -> dict:
         "step_s": step_s,
         "param_digest": param_digest(model),
     }
+
+
+@torch.no_grad()
+def nudge_one_ulp(model: nn.Module, seed: int) -> None:
+    """Move every element of every param to the next float towards +inf or -inf, each element's
+    direction a fair coin from a generator seeded with ``seed``: every rank draws the same
+    directions, so the ranks' params stay bitwise equal."""
+    generator = torch.Generator().manual_seed(seed)
+    for param in model.parameters():
+        up = torch.randint(0, 2, param.shape, generator=generator, dtype=torch.bool)
+        param.copy_(torch.nextafter(param, torch.full_like(param, math.inf).where(up, -math.inf)))
 
 
 def train_step(model: nn.Module, optimizer: ShardingStage1, inputs: Tensor, targets: Tensor) -> float:

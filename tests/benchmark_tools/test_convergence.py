@@ -1,7 +1,7 @@
 """``benchmarks.convergence`` in short: a tiny GPT trained a few dozen steps on the documentation's
 text on 2 gloo ranks learns (its losses fall well below a uniform guess's) and both ranks end
-with bitwise the same params; and the pieces around it (the split, the schedule, the comparison
-with exact, the table and the plot) on made-up numbers."""
+with bitwise the same params; and the pieces around it (the split, the schedule, the control's
+one-ulp nudge, the comparison with exact, the table and the plot) on made-up numbers."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import math
 import pathlib
 
 import pytest
+import torch
 
 from benchmarks import convergence, plots
-from benchmarks.models import GPTConfig
+from benchmarks.models import GPTConfig, build_gpt
 
 TINY = convergence.ConvergenceConfig(
     model=GPTConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2),
@@ -59,6 +60,29 @@ def test_heldout_steps_end_at_the_last_step() -> None:
     assert convergence.heldout_steps(TINY) == [0, 20, 40]
     longer = convergence.ConvergenceConfig(steps=45, eval_every=20)
     assert convergence.heldout_steps(longer) == [0, 20, 40, 45]
+
+
+def test_the_control_nudges_every_param_one_ulp_up_or_down_the_same_on_every_rank() -> None:
+    """``exact-ulp``: the exact wire; each element moved to its neighbouring float, the
+    directions a coin drawn from the seed alone (each rank draws them itself)."""
+    exact_wire = convergence.strategy_for("exact", overlap=False)
+    assert convergence.strategy_for("exact-ulp", overlap=False) == exact_wire
+    assert convergence.SETTINGS["exact-ulp"].ulp_nudge and not convergence.SETTINGS["exact"].ulp_nudge
+    original, nudged, again, other_seed = (build_gpt(TINY.model, seed=0) for _ in range(4))
+    convergence.nudge_one_ulp(nudged, seed=7)
+    convergence.nudge_one_ulp(again, seed=7)
+    convergence.nudge_one_ulp(other_seed, seed=8)
+    ups = []
+    for before, after, same, other in zip(
+        original.parameters(), nudged.parameters(), again.parameters(), other_seed.parameters(), strict=True
+    ):
+        assert torch.equal(torch.nextafter(before, after), after)
+        assert (after != before).all()
+        assert torch.equal(after, same)
+        ups.append((after > before).flatten())
+        assert not torch.equal(after, other)
+    up_fraction = torch.cat(ups).float().mean().item()
+    assert 0.45 < up_fraction < 0.55
 
 
 def _summary(final: float, finite: bool = True) -> dict:
