@@ -228,10 +228,11 @@ def plan_layout(
     buckets = []
     slots: list[ParamSlot | None] = [None] * len(params)
     work_per_rank = [0] * world_size
+    plain_held = [0] * world_size  # elements of params kept plain by a quantizing class, per rank
     for bucket_index, open_bucket in enumerate(closed):
         if block_grid is not None:
             bucket = _build_block_bucket(
-                bucket_index, open_bucket.members, world_size, align_bytes, block_grid
+                bucket_index, open_bucket.members, world_size, align_bytes, block_grid, plain_held
             )
         elif whole_param_cost is None:
             bucket = _build_bucket(bucket_index, open_bucket.members, world_size, align_bytes)
@@ -276,9 +277,10 @@ def _build_block_bucket(
     world_size: int,
     align_bytes: int,
     grid: BlockGrid,
+    plain_held: list[int],
 ) -> BucketPlan:
     """A bucket whose shard boundaries fall on allowed cuts of ``grid``, see Note [Cuts on
-    quantization blocks] in ``block_layout``."""
+    quantization blocks] in ``block_layout``; ``plain_held`` as ``place_on_blocks`` takes it."""
     first = members[0][1]
     align = align_numel(first.dtype, align_bytes)
     offsets, shard_numel = place_on_blocks(
@@ -287,6 +289,7 @@ def _build_block_bucket(
         align,
         grid,
         lambda cursor, numel: slot_offset(cursor, numel, align, first.dtype.itemsize),
+        plain_held,
     )
     slots = tuple(
         ParamSlot(param_index, bucket_index, offset, spec.numel, spec.shape, spec.strides)

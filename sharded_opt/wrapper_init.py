@@ -41,6 +41,7 @@ from sharded_opt.step.inner_optimizer import build_inner_optimizer, check_steps
 from sharded_opt.step.local_shard import BucketPrecision, resolve_precision
 from sharded_opt.step.optimizer_shards import OptimizerShards, ParamGroupsOwner
 from sharded_opt.step.param_sync import ParamSync
+from sharded_opt.step.quantized_state import SharedCodeBooks
 from sharded_opt.step.step_pipeline import StepPipeline
 from sharded_opt.strategy import ShardingConfig, Strategy
 from sharded_opt.wrapper_lifetime import WrapperLifetime
@@ -89,6 +90,9 @@ def build_runtime(
     if needs.quantized_blocks is not None:
         shards.shared_state_parts = needs.quantized_blocks.shared_parts
         shards.keyed_state = needs.quantized_blocks.keyed
+        shards.fresh_state = needs.quantized_blocks.fresh_state
+        if needs.quantized_blocks.keyed is None:  # bitsandbytes shares its code books itself
+            shards.code_books = SharedCodeBooks(needs.quantized_blocks.shared_parts)
     grad_sync = GradSync(shards, config.enable_overlap)
     param_sync = ParamSync(shards.buckets, shards.comm)
     param_guard = ParamGuard(shards.buffers, param_sync)

@@ -23,6 +23,7 @@ import torch
 
 from fusion.block_layout import BlockGrid
 from sharded_opt.guards import bitsandbytes_settings as bnb
+from sharded_opt.guards import torchao_state
 
 NEEDS_ATTRIBUTE = "sharded_opt_needs"
 """The class attribute through which an optimizer class declares its :class:`OptimizerNeeds`."""
@@ -40,6 +41,11 @@ def newton_schulz_cost(shape: tuple[int, ...]) -> int:
         return math.prod(shape)
     rows, cols = shape[0], math.prod(shape[1:])
     return rows * cols * min(rows, cols)
+
+
+FreshState = Callable[[torch.optim.Optimizer, dict[str, Any], torch.Tensor, bool], dict[str, Any]]
+"""``(optimizer, param group, tensor, quantized)`` to the state the class creates for ``tensor``
+at its first step, had it decided to quantize it (``quantized``) or not."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,10 +86,16 @@ class QuantizedBlocks:
     per element (codes) or per block (scales), in the tensor's order."""
     keyed: KeyedQuantizedState | None = None
     """Set for a class that keeps its quantized state as plain tensors under keys."""
+    fresh_state: FreshState | None = None
+    """How the class builds a tensor's state before its first step, quantized or plain. Set, the
+    wrapper gives a piece whose own size would make the class decide otherwise its param's
+    kind of state, and params are cut on any block edge (Note [Cuts on quantization blocks]);
+    None: pieces are cut only where their size keeps the decision."""
 
     def grid(self, optimizer: torch.optim.Optimizer) -> BlockGrid:
         min_numel = self.min_numel if isinstance(self.min_numel, int) else self.min_numel(optimizer)
-        return BlockGrid(self.block_size(optimizer), min_numel, self.partial_last_block)
+        keeps = self.fresh_state is not None
+        return BlockGrid(self.block_size(optimizer), min_numel, self.partial_last_block, keeps)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,7 +144,9 @@ ADAFACTOR = OptimizerNeeds(whole_params=True, param_cost=numel_cost, state_per_p
 TORCHAO_LOW_BIT = OptimizerNeeds(
     whole_params=False,
     state_per_param=True,
-    quantized_blocks=QuantizedBlocks(block_size=lambda optimizer: optimizer.block_size),
+    quantized_blocks=QuantizedBlocks(
+        block_size=lambda optimizer: optimizer.block_size, fresh_state=torchao_state.fresh_state
+    ),
 )
 """torchao's 8-bit, 4-bit and fp8 Adam(W): element-wise math, state quantized per block, all of
 it per param (``step`` included)."""

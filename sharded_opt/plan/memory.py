@@ -7,8 +7,9 @@ persistent averaged grad of the shard in the reduce dtype, a grad in the master 
 optimizer steps a master copy of another dtype, the master copy (with ``param_compression`` one
 even in the params' own dtype, and the shard's params as last published, Note [Compressed wire]
 in ``sharded_opt/comm/compression.py``), the optimizer's state for the rank's pieces (padding
-has none, Note [Per-param pieces]; a low-bit optimizer's codes, scales and code books for each
-piece it quantizes, Note [Cuts on quantization blocks]); no staging pool (Note [Bounded
+has none, Note [Per-param pieces]; a low-bit optimizer's codes and scales for each piece it
+quantizes, Note [Cuts on quantization blocks], and its code books once per rank, Note [Shared
+code books]); no staging pool (Note [Bounded
 staging]): on CPU gloo, which the planner models, 16-bit grads are widened on receipt. Nor the
 compressed collectives' rows of codes, which live while a bucket's collective is in flight, as
 the receive buffers of the exact ones do (``memory_bytes()`` counts neither). DDP holds the
@@ -43,10 +44,19 @@ class StateSize:
     quantized_fixed: int = 0
     quantized_per_block: int = 0
 
-    def nbytes(self, numel: int) -> int:
-        if self.grid is not None and self.grid.quantizes(numel):
+    def quantizes(self, param_numel: int) -> bool:
+        """Whether the class quantizes the state of a param of ``param_numel`` elements (and so
+        of each piece of it, Note [Cuts on quantization blocks])."""
+        return self.grid is not None and self.grid.quantizes(param_numel)
+
+    def nbytes(self, numel: int, param_numel: int | None = None, *, with_code_books: bool = True) -> int:
+        """Bytes of a tensor of ``numel`` elements, a piece of a param of ``param_numel`` (by
+        default the whole param), quantized or not as the class decides for the param; without
+        the code books a rank shares between its pieces (Note [Shared code books])."""
+        if self.quantizes(numel if param_numel is None else param_numel):
+            assert self.grid is not None
             blocks = -(-numel // self.grid.block_size)
-            fixed = self.quantized_fixed + self.quantized_per_block * blocks
+            fixed = self.quantized_per_block * blocks + (self.quantized_fixed if with_code_books else 0)
             return int(self.quantized_per_element * numel) + fixed
         return self.per_element * numel
 
@@ -112,7 +122,7 @@ def sharded_memory(
     # A bucket that stages its grads also leaves autograd's own grad tensors in place (Note
     # [Staged grads] in ``fusion.layout``).
     grads += sum(_nbytes(b.used_numel, b.dtype) for b in live if b.staged_grads)
-    reduced = master = published = state = 0
+    reduced = master = published = state = code_books = 0
     for bucket in live:
         precision = precisions[bucket.index]
         stepped_numel = bucket.shard_numel if sharded else bucket.padded_numel
@@ -127,7 +137,11 @@ def sharded_memory(
         if precision.delta_params:
             published += _nbytes(stepped_numel, bucket.dtype)
         size = state_bytes[(bucket.group_index, precision.master_dtype)]
-        state += sum(size.nbytes(numel) for numel in _stepped_numels(bucket, rank, sharded))
+        for numel, param_numel in _stepped_numels(bucket, rank, sharded):
+            state += size.nbytes(numel, param_numel, with_code_books=False)
+            if size.quantizes(param_numel):
+                code_books = max(code_books, size.quantized_fixed)
+    state += code_books  # one copy per rank, Note [Shared code books] in ``quantized_state``
     used = sum(_nbytes(b.used_numel, b.dtype) for b in plan.buckets)
     used_live = sum(_nbytes(b.used_numel, b.dtype) for b in live)
     padding = (params - used) + (grads - used_live)
@@ -136,12 +150,13 @@ def sharded_memory(
     return MemoryBytes(params, grads, reduced, master, state, staging=0, padding=padding, published=published)
 
 
-def _stepped_numels(bucket: BucketPlan, rank: int, sharded: bool) -> list[int]:
-    """The numel of each param piece ``rank`` steps (a low-bit optimizer decides per piece
-    whether to quantize it)."""
+def _stepped_numels(bucket: BucketPlan, rank: int, sharded: bool) -> list[tuple[int, int]]:
+    """The numel of each param piece ``rank`` steps, with its param's (a low-bit optimizer
+    keeps codes and scales per piece, as its param decides)."""
     if sharded:
-        return [piece.numel for piece in bucket.shard_pieces(rank)]
-    return [slot.numel for slot in bucket.slots]
+        numels = {slot.param_index: slot.numel for slot in bucket.slots}
+        return [(piece.numel, numels[piece.param_index]) for piece in bucket.shard_pieces(rank)]
+    return [(slot.numel, slot.numel) for slot in bucket.slots]
 
 
 def ddp_memory(specs: Sequence[ParamSpec | None], state_bytes: StateBytes) -> MemoryBytes:

@@ -8,6 +8,7 @@ needs the wrapper itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,10 +22,10 @@ from sharded_opt.comm.hybrid_groups import ShardGroups
 from sharded_opt.step.bucket import Bucket
 from sharded_opt.step.inner_optimizer import add_shard
 from sharded_opt.step.local_shard import LocalShard
-from sharded_opt.step.quantized_state import state_nbytes
+from sharded_opt.step.quantized_state import SharedCodeBooks, states_nbytes
 
 if TYPE_CHECKING:
-    from sharded_opt.guards.optimizer_needs import KeyedQuantizedState
+    from sharded_opt.guards.optimizer_needs import FreshState, KeyedQuantizedState
 
 
 class ParamGroupsOwner(Protocol):
@@ -57,6 +58,11 @@ class OptimizerShards:
     keyed_state: KeyedQuantizedState | None = None
     """How a class that keeps quantized state under keys lays it out (bitsandbytes), see
     ``keyed_state``."""
+    fresh_state: FreshState | None = None
+    """How the class builds a tensor's first state, quantized or plain
+    (``QuantizedBlocks.fresh_state``), see :meth:`start_pieces`."""
+    code_books: SharedCodeBooks | None = None
+    """The code books the pieces' quantized values share, see Note [Shared code books]."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -68,6 +74,29 @@ class OptimizerShards:
         shard = bucket.materialize()
         if shard is not None:
             add_shard(self.inner, shard)
+
+    def start_pieces(self, shard: LocalShard, pieces: Iterable[tuple[Tensor, int]]) -> None:
+        """Before a step over ``pieces`` (inner params with their param's index): give each piece
+        without state whose own size would make the class decide otherwise than for its param
+        the state the class builds for its param's decision (Note [Cuts on quantization blocks]
+        in ``fusion/block_layout.py``); the class then steps it as it finds it."""
+        grid = shard.bucket.block_grid
+        if self.fresh_state is None or grid is None:
+            return
+        group = self.inner.param_groups[shard.bucket.group_index]
+        for piece, owner in pieces:
+            quantized = grid.quantizes(self.buffers.params[owner].numel())
+            if not self.inner.state.get(piece) and quantized != grid.quantizes(piece.numel()):
+                self.inner.state[piece] = self.fresh_state(self.inner, group, piece, quantized)
+
+    def share_code_books(self, pieces: Iterable[Tensor]) -> None:
+        """After a step over ``pieces``: one code book per distinct table on this rank, see Note
+        [Shared code books] in ``quantized_state``."""
+        if self.code_books is not None:
+            for piece in pieces:
+                state = self.inner.state.get(piece)
+                if state:
+                    self.code_books.share(state)
 
     def live_shards(self) -> list[LocalShard]:
         """This rank's shards of the buckets that have one, in bucket order."""
@@ -87,8 +116,8 @@ class OptimizerShards:
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state tensors held by this rank (a quantized value's codes, scales
-        and code book, see ``quantized_state``)."""
-        return sum(state_nbytes(state) for state in self.inner.state.values())
+        and code book, see ``quantized_state``), a tensor shared by several values once."""
+        return states_nbytes(self.inner.state.values())
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for training, by kind (see ``ShardingStage1.memory_bytes``)."""

@@ -11,6 +11,7 @@ same place in every per-element part, which is exact because pieces start on blo
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -36,7 +37,72 @@ def stored_bytes(value: Tensor) -> int:
 def state_nbytes(state: dict[str, Any]) -> int:
     """Bytes one param's (or piece's) optimizer state really holds in tensors of at least one
     dim; scalars such as ``step`` are not counted."""
-    return sum(stored_bytes(v) for v in state.values() if isinstance(v, Tensor) and v.dim() > 0)
+    return states_nbytes([state])
+
+
+def states_nbytes(states: Iterable[dict[str, Any]]) -> int:
+    """Bytes the tensors of ``states`` (of at least one dim) hold, a tensor that several values
+    share counted once: a code book the pieces share (:class:`SharedCodeBooks`), bitsandbytes'
+    ``qmap1``, one tensor for all params."""
+    seen: set[tuple[int, int, int, torch.dtype]] = set()
+    total = 0
+    for state in states:
+        for value in state.values():
+            if not isinstance(value, Tensor) or value.dim() == 0:
+                continue
+            for tensor in _held_tensors(value):
+                storage = tensor.untyped_storage().data_ptr()
+                key = (storage, tensor.storage_offset(), tensor.numel(), tensor.dtype)
+                if key not in seen:
+                    seen.add(key)
+                    total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _held_tensors(value: Tensor) -> Iterator[Tensor]:
+    """The plain tensors that hold a state value's data: itself, or a quantized value's inner
+    tensors."""
+    if not is_quantized(value):
+        yield value
+        return
+    names, _ = value.__tensor_flatten__()
+    for name in names:
+        yield from _held_tensors(getattr(value, name))
+
+
+class SharedCodeBooks:
+    """One tensor per rank for each distinct code book its quantized state values hold.
+
+    Note [Shared code books]
+        torchao gives every quantized value a code book of its own (``qmap``: 256 fp32 values
+        for 8-bit, 1 KiB), the same table for every tensor of a kind (signed or not), which it
+        only reads (its ``copy_`` leaves it alone: "qmap should be the same"). Sharded, a param
+        cut in k pieces would hold k code books per moment where one process holds one, 2 KiB
+        per cut for AdamW8bit, more than the blocks the cut costs. So after each step the
+        pieces stepped point their code books at one tensor per distinct table on this rank;
+        ``memory_bytes()`` counts a shared tensor once. State loaded from a state dict or a
+        checkpoint comes with copies, shared again at its first step.
+    """
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self._names = names
+        self._by_content: dict[tuple[Any, ...], Tensor] = {}
+        self._shared_ids: set[int] = set()
+
+    def share(self, state: dict[str, Any]) -> None:
+        """Point the code books of ``state``'s quantized values at this rank's copy of each."""
+        for value in state.values():
+            if not is_quantized(value):
+                continue
+            for name in self._names:
+                book = getattr(value, name, None)
+                if book is None or id(book) in self._shared_ids:
+                    continue
+                content = book.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+                key = (book.dtype, tuple(book.shape), book.device, content)
+                shared = self._by_content.setdefault(key, book)
+                self._shared_ids.add(id(shared))  # alive while ``_by_content`` holds it
+                setattr(value, name, shared)
 
 
 @dataclass(frozen=True)

@@ -171,15 +171,15 @@ class StepPipeline:
                 continue
             stepped.append(bucket)
             shard.refresh_master()
-            group = groups[shard.bucket.group_index]
-            if all(present):
-                group += shard.inner_params
-            else:
+            pieces = list(zip(shard.inner_params, shard.inner_owners, strict=True))
+            if not all(present):
                 owners = bucket.params_with_grads()
-                pieces = zip(shard.inner_params, shard.inner_owners, strict=True)
-                group += [piece for piece, owner in pieces if owner in owners]
+                pieces = [(piece, owner) for piece, owner in pieces if owner in owners]
+            self._shards.start_pieces(shard, pieces)
+            groups[shard.bucket.group_index] += [piece for piece, _ in pieces]
         if any(groups) or not self.step_per_bucket:
             self._inner_step(groups, kwargs)
+            self._shards.share_code_books(piece for group in groups for piece in group)
         return stepped
 
     def _inner_step(self, params_per_group: list[list[torch.Tensor]], kwargs: dict[str, Any]) -> None:

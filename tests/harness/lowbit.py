@@ -292,6 +292,43 @@ def _average(grads: list[torch.Tensor], degree: int) -> torch.Tensor:
     return total / len(means)
 
 
+CODE_BOOK_NAMES = ("qmap", "qmap1", "qmap2")
+"""torchao's code book (an inner tensor of each quantized value), bitsandbytes' (state keys)."""
+
+
+def code_book_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """The bytes of the distinct code books (by content) in ``optimizer``'s state, and the
+    bytes its code-book tensors really hold (torchao: one per quantized value; bitsandbytes:
+    one tensor for all params)."""
+    distinct: dict[bytes, int] = {}
+    held: dict[int, int] = {}
+    for state in optimizer.state.values():
+        books = [state.get(name) for name in CODE_BOOK_NAMES]
+        books += [getattr(value, "qmap", None) for value in state.values()]
+        for book in books:
+            if isinstance(book, torch.Tensor) and book.dim():
+                nbytes = book.numel() * book.element_size()
+                distinct[book.numpy().tobytes()] = nbytes
+                held[book.untyped_storage().data_ptr()] = nbytes
+    return sum(distinct.values()), sum(held.values())
+
+
+def assert_state_is_shared_out(results: list[dict], plain: torch.optim.Optimizer, slack: int) -> None:
+    """The ranks' state bytes (``memory_bytes()``) against the plain class's: every code and
+    scale and every plain moment's element on exactly one rank (no state for padding, none
+    twice), one set of code books per rank (Note [Shared code books]), and each rank within
+    ``slack`` bytes of its 1/N share."""
+    from sharded_opt.step.quantized_state import states_nbytes
+
+    books, plain_books = code_book_bytes(plain)
+    per_element = states_nbytes(plain.state.values()) - plain_books
+    world_size = len(results)
+    assert sum(r["state_bytes"] for r in results) == per_element + world_size * books
+    for rank, result in enumerate(results):
+        share = per_element / world_size + books
+        assert result["state_bytes"] <= share + slack, (rank, result["state_bytes"], share, slack)
+
+
 def assert_same_state(got: dict, want: dict) -> None:
     """Two optimizer state dicts are equal bitwise: param groups, keys, and every plain tensor
     or quantized value's inner tensors (codes, scales, code book) and attributes; nested dicts
