@@ -8,15 +8,16 @@ Note [Checkpoint layout]
     new layout and DCP reads each from whichever saved pieces overlap it. Only params that have
     state (have been stepped) get entries, as in torch's format; which ones, with which keys and
     dtypes, is read back from the checkpoint's metadata. Each param's
-    scalar state (its own ``step``), the state of an optimizer that steps whole params which is
-    not of the param's shape (Adafactor's row and column factors: ``state_whole.<i>.<key>``,
-    see Note [Whole params per owner] in ``fusion/layout.py``), the model's state dict (full
-    tensors, the same on every rank)
+    scalar state (its own ``step``: a 0-dim tensor as it is, a Python int as an int64 tensor
+    named ``state_int.<i>.<key>`` so that it comes back an int), the state of an optimizer that
+    steps whole params which is not of the param's shape (Adafactor's row and column factors:
+    ``state_whole.<i>.<key>``, see Note [Whole params per owner] in ``fusion/layout.py``), the
+    model's state dict (full tensors, the same on every rank)
     and hyperparameters (tensors whose entry name records the Python type: int stays int, a
     Tensor lr stays a Tensor) are replicated entries that DCP writes once. Quantized state
-    values (torchao's) are saved by their codes and scales, each a 1-D tensor of entries that a
-    rank writes the piece of as above, see Note [Quantized state in checkpoints] in
-    ``quantized_checkpoint``.
+    (torchao's values, bitsandbytes' keys) is saved by its codes and scales, each a 1-D tensor
+    of entries that a rank writes the piece of as above, see Note [Quantized state in
+    checkpoints] in ``quantized_checkpoint``.
 
     Only tensors are stored: DCP unpickles non-tensor entries with ``weights_only=False``, so a
     checkpoint of ours never needs it, and loading never asks for a non-tensor entry.
@@ -32,6 +33,7 @@ Note [Atomic checkpoints]
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import uuid
@@ -48,14 +50,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from sharded_opt.guards.messages import closed_error
 from sharded_opt.state.checkpoint_pieces import ParamPiece, PieceLoadPlanner, PieceSavePlanner
 from sharded_opt.state.quantized_checkpoint import (
+    PER_BLOCK,
     QuantizedLoad,
-    check_checkpointable,
     check_quantizer,
     quantized_save_entries,
     quantizer_entries,
     saved_quantizer_entries,
 )
-from sharded_opt.state.state_dict import describe_param_states, local_pieces
+from sharded_opt.state.state_dict import block_size_of, describe_param_states, local_pieces
 from sharded_opt.step.bucket import republish_exactly
 from sharded_opt.step.inner_optimizer import load_param_states, param_states
 
@@ -68,6 +70,8 @@ _META_NUM_PARAMS = "meta.num_params"
 _WHOLE_STATE = "state_whole"
 """Entries of a param's state tensors that are neither element-wise nor 0-dim (Adafactor's row
 and column factors): replicated, read whole by the param's owner, see Note [Checkpoint layout]."""
+_INT_STATE = "state_int"
+"""Entries of a param's Python int state (bitsandbytes' ``step``), restored as ints."""
 _HYPER_FLOAT = "hyper"
 _HYPER_INT = "hyper_int"
 _HYPER_TENSOR = "hyper_tensor"
@@ -83,10 +87,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
 
     Raises:
         FileExistsError: ``path`` exists and is not a checkpoint written by this function.
-        ValueError: the optimizer keeps quantized state under keys (bitsandbytes' 8-bit Adam),
-            which checkpoints do not hold yet.
     """
-    check_checkpointable("save_checkpoint", optimizer.shards)
     _check_all_ranks_enter("save_checkpoint", optimizer)
     optimizer.sync_params()
     final = Path(path)
@@ -115,10 +116,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Shardi
         FileNotFoundError: ``path`` holds no complete checkpoint.
         ValueError: the checkpoint belongs to another model or optimizer layout, its state
             was quantized by another optimizer class or block size (or this one quantizes and
-            it was not), its files are damaged, or the optimizer keeps quantized state under
-            keys (bitsandbytes' 8-bit Adam), which checkpoints do not hold yet.
+            it was not), or its files are damaged.
     """
-    check_checkpointable("load_checkpoint", optimizer.shards)
     folder = Path(path)
     if not (folder / ".metadata").is_file():
         raise FileNotFoundError(
@@ -196,10 +195,10 @@ def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ParamPiece]:
             if kind == "quantized":
                 entries.update(quantized_save_entries(index, key, value, local_value, per_param.entry))
             elif kind == "scalar":
-                if isinstance(value, Tensor) and value.dim() > 0:
-                    entries[f"{_WHOLE_STATE}.{index}.{key}"] = value
-                elif isinstance(value, Tensor):
-                    entries[name] = value
+                entries.update(_scalar_entries(index, key, value))
+            elif kind == "per_block":
+                ratio = Fraction(1, block_size_of(optimizer.shards, index))
+                entries[f"{PER_BLOCK}.{index}.{key}"] = per_param.entry(index, local_value, value, ratio)
             else:
                 entries[name] = per_param.entry(index, local_value, value)
     for shard in optimizer.shards.live_shards():
@@ -214,6 +213,16 @@ def _save_entries(optimizer: ShardingStage1) -> dict[str, Tensor | ParamPiece]:
     return entries
 
 
+def _scalar_entries(index: int, key: str, value: Any) -> dict[str, Tensor]:
+    """The replicated entry of a param's state value that is not per element, if it is one a
+    checkpoint holds (a tensor, or a Python int), see Note [Checkpoint layout]."""
+    if isinstance(value, Tensor):
+        return {f"{_WHOLE_STATE if value.dim() > 0 else 'state'}.{index}.{key}": value}
+    if type(value) is int:
+        return {f"{_INT_STATE}.{index}.{key}": torch.tensor(value, dtype=torch.int64)}
+    return {}
+
+
 class _LoadPlan:
     """The DCP entries to read into for this rank's layout, and how to install them."""
 
@@ -223,25 +232,27 @@ class _LoadPlan:
         per_param = _PerParamEntries(optimizer, writing=False)
         device = optimizer.plan.buckets[0].device
         self.entries: dict[str, Tensor | ParamPiece] = {}
-        self._local: dict[str, tuple[int, str | None, Tensor]] = {}
+        self._local: dict[str, tuple[str, int, str | None, Tensor]] = {}
         for name, meta in saved.items():
             parsed = _parse_state_name(name)
             if parsed is None or not hasattr(meta, "properties"):
                 continue
-            index, key = parsed
+            prefix, index, key = parsed
             if not 0 <= index < len(optimizer.shards.buffers.params):
                 raise ValueError(f"load_checkpoint: the checkpoint holds state for unknown param {index}")
             if key is None and not optimizer.shards.bucket_of(index).precision.has_master:
                 continue  # saved with a master copy, loaded without one: the params are the truth
             dtype = meta.properties.dtype
-            if len(meta.size) == 0 or name.startswith(_WHOLE_STATE + "."):
+            if len(meta.size) == 0 or prefix == _WHOLE_STATE:
                 value = torch.zeros(tuple(meta.size), dtype=dtype)
                 self.entries[name] = value
             else:
-                piece = per_param.pieces.get(index)
-                value = torch.zeros(0 if piece is None else piece.numel, dtype=dtype, device=device)
-                self.entries[name] = per_param.entry(index, value, dtype)
-            self._local[name] = (index, key, value)
+                ratio = Fraction(1)
+                if prefix == PER_BLOCK:
+                    ratio = Fraction(1, block_size_of(optimizer.shards, index))
+                value = torch.zeros(per_param.local_numel(index, ratio), dtype=dtype, device=device)
+                self.entries[name] = per_param.entry(index, value, dtype, ratio)
+            self._local[name] = (prefix, index, key, value)
         for name, meta in saved.items():
             if name.startswith(_HYPER_PREFIXES) and hasattr(meta, "properties"):
                 self.entries[name] = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
@@ -252,11 +263,11 @@ class _LoadPlan:
         optimizer = self._optimizer
         states: dict[int, dict[str, Any]] = {}
         masters: dict[int, Tensor] = {}
-        for index, key, value in self._local.values():
+        for prefix, index, key, value in self._local.values():
             if key is None:
                 masters[index] = value
             else:
-                states.setdefault(index, {})[key] = value
+                states.setdefault(index, {})[key] = int(value) if prefix == _INT_STATE else value
         for index, values in self._quantized.values().items():
             states.setdefault(index, {}).update(values)
         for index in states:
@@ -283,12 +294,13 @@ class _LoadPlan:
         republish_exactly(shards.buckets)
 
 
-def _parse_state_name(name: str) -> tuple[int, str | None] | None:
+def _parse_state_name(name: str) -> tuple[str, int, str | None] | None:
+    """``(prefix, param, key)`` of a param's state entry (key None: its master), or None."""
     parts = name.split(".", 2)
-    if parts[0] in ("state", _WHOLE_STATE) and len(parts) == 3 and parts[1].isdigit():
-        return int(parts[1]), parts[2]
+    if parts[0] in ("state", _WHOLE_STATE, _INT_STATE, PER_BLOCK) and len(parts) == 3 and parts[1].isdigit():
+        return parts[0], int(parts[1]), parts[2]
     if parts[0] == "master" and len(parts) == 2 and parts[1].isdigit():
-        return int(parts[1]), None
+        return parts[0], int(parts[1]), None
     return None
 
 
@@ -309,7 +321,7 @@ class _PerParamEntries:
         """``local`` holds this rank's entries of param ``index``'s state (None: this rank has
         none), ``ratio`` entries per element of the param (a quantized value's codes or scales,
         Note [Quantized state in checkpoints] in ``quantized_checkpoint``)."""
-        numel = _entries(self._optimizer.shards.buffers.params[index].numel(), ratio, index)
+        _, numel = self._span(index, 0, self._param_numel(index), ratio)
         if not self._optimizer.shards.comm.sharded:
             if local is None:
                 raise RuntimeError(f"checkpoint: unsharded state of param {index} is missing")
@@ -317,17 +329,28 @@ class _PerParamEntries:
         piece = self.pieces.get(index) if self._writes else None
         if piece is None:
             return ParamPiece(None, 0, numel, dtype)
-        if local is None or local.numel() != _entries(piece.numel, ratio, index):
+        offset, count = self._span(index, piece.param_start, piece.numel, ratio)
+        if local is None or local.numel() != count:
             raise RuntimeError("checkpoint: a local state piece does not match the layout")
-        return ParamPiece(local, _entries(piece.param_start, ratio, index), numel, dtype)
+        return ParamPiece(local, offset, numel, dtype)
 
+    def local_numel(self, index: int, ratio: Fraction) -> int:
+        """Entries of this rank's piece of param ``index`` at ``ratio`` per element (0: none)."""
+        piece = self.pieces.get(index)
+        return 0 if piece is None else self._span(index, piece.param_start, piece.numel, ratio)[1]
 
-def _entries(numel: int, ratio: Fraction, index: int) -> int:
-    """Entries of ``numel`` elements at ``ratio`` per element; whole, as pieces lie on blocks."""
-    entries = numel * ratio
-    if entries.denominator != 1:
-        raise RuntimeError(f"checkpoint: a piece of param {index} does not hold whole entries of its state")
-    return int(entries)
+    def _span(self, index: int, start: int, numel: int, ratio: Fraction) -> tuple[int, int]:
+        """The first entry and the number of entries of elements ``[start, start + numel)`` of
+        param ``index``. An entry begun counts whole at the param's end only (a scale of
+        bitsandbytes' partial last block); elsewhere pieces lie on blocks, so hold whole entries."""
+        end = start + numel
+        first, last = start * ratio, end * ratio
+        if first.denominator != 1 or (last.denominator != 1 and end != self._param_numel(index)):
+            raise RuntimeError(f"checkpoint: a piece of param {index} holds part of an entry of its state")
+        return int(first), math.ceil(last) - int(first)
+
+    def _param_numel(self, index: int) -> int:
+        return self._optimizer.shards.buffers.params[index].numel()
 
 
 def _hyperparameter_entries(group_index: int, group: dict[str, Any]) -> dict[str, Tensor]:

@@ -72,8 +72,9 @@ class QuantizedBlocks:
     (plain state otherwise). The wrapper then cuts params only on block edges that keep every
     piece's decision, see Note [Cuts on quantization blocks] in ``fusion/block_layout.py``."""
 
-    block_size: Callable[[torch.optim.Optimizer], int]
-    """The block size of an instance (torchao keeps it in ``optimizer.block_size``)."""
+    block_size: int | Callable[[torch.optim.Optimizer], int]
+    """The class's fixed block size (bitsandbytes: 256), or how to read an instance's off it
+    (torchao keeps it in ``optimizer.block_size``, a constructor argument)."""
     min_numel: int | Callable[[torch.optim.Optimizer], int] = 4096
     """The smallest tensor the class quantizes (torchao: 4096), or how to read it off an instance
     (bitsandbytes' ``min_8bit_size``, a constructor argument)."""
@@ -94,8 +95,8 @@ class QuantizedBlocks:
 
     def grid(self, optimizer: torch.optim.Optimizer) -> BlockGrid:
         min_numel = self.min_numel if isinstance(self.min_numel, int) else self.min_numel(optimizer)
-        keeps = self.fresh_state is not None
-        return BlockGrid(self.block_size(optimizer), min_numel, self.partial_last_block, keeps)
+        block_size = self.block_size if isinstance(self.block_size, int) else self.block_size(optimizer)
+        return BlockGrid(block_size, min_numel, self.partial_last_block, self.fresh_state is not None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,7 +155,7 @@ BITSANDBYTES_8BIT = OptimizerNeeds(
     whole_params=False,
     state_per_param=True,
     quantized_blocks=QuantizedBlocks(
-        block_size=lambda optimizer: bnb.BLOCK_NUMEL,
+        block_size=bnb.BLOCK_NUMEL,
         min_numel=bnb.min_8bit_size,
         partial_last_block=True,
         keyed=KeyedQuantizedState(

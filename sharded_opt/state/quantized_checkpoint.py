@@ -1,24 +1,36 @@
-"""Quantized state values (torchao's) as DCP entries that any number of ranks reads.
+"""Quantized optimizer state (torchao's values, bitsandbytes' keys) as DCP entries that any
+number of ranks reads.
 
 Note [Quantized state in checkpoints]
-    A quantized value (``quantized_state``) is not element-wise: its codes hold a fixed number
-    of entries per element (one for 8-bit and fp8, half of one for 4-bit), its scales one per
-    block, its code book the same for the whole tensor. So each per-element part of a param's
-    value is saved as a 1-D tensor of the part's entries for the whole param
-    (``state_quantized.<param>.<key>.<part>``, entry ``j`` the one the unsharded value holds at
-    ``j``), of which every rank writes the entries of its own piece, as for element-wise state
-    (Note [Checkpoint layout] in ``checkpoint``). On any number of ranks a piece starts and
-    ends on block edges counted from the param's start (Note [Cuts on quantization blocks] in
-    ``fusion/block_layout.py``), so its entries are whole codes and whole scales, and M ranks
-    read their pieces from whichever saved pieces overlap them: nothing is dequantized or
-    requantized, and the state after a load is bitwise the state that was saved. A code book is
-    a replicated entry (``state_quantized_shared.<param>.<key>.<part>``), written once.
+    Quantized state is not element-wise: its codes hold a fixed number of entries per element
+    (one for 8-bit and fp8, half of one for torchao's 4-bit), its scales one per block, its code
+    book the same for the whole tensor. So each per-element part of a param's state is saved as
+    a 1-D tensor of the part's entries for the whole param (entry ``j`` the one the unsharded
+    state holds at ``j``), of which every rank writes the entries of its own piece, as for
+    element-wise state (Note [Checkpoint layout] in ``checkpoint``). On any number of ranks a
+    piece starts and ends on block edges counted from the param's start (Note [Cuts on
+    quantization blocks] in ``fusion/block_layout.py``), so its entries are whole codes and
+    whole scales, and M ranks read their pieces from whichever saved pieces overlap them:
+    nothing is dequantized or requantized, and the state after a load is bitwise the state that
+    was saved. A code book is a replicated entry, written once. The two layouts of such state:
 
-    A checkpoint holds only tensors, so which tensor subclass the parts make and its attributes
-    (signed or not, the dtype it stands for) are taken on load from the loading class: a
-    throwaway copy of it steps, eagerly, one small tensor it quantizes, in the param's stepped
-    dtype. That reading is right only for the class and block size that wrote the parts, which
-    the checkpoint records (``meta.quantized_by``: the class's module and name as UTF-8 bytes;
+    - torchao keeps each moment as one tensor subclass (``quantized_state``): its per-element
+      parts are ``state_quantized.<param>.<key>.<part>`` (entries per element: the saved size
+      over the param's numel), its code book ``state_quantized_shared.<param>.<key>.<part>``.
+      A checkpoint holds only tensors, so which subclass the parts make and its attributes
+      (signed or not, the dtype it stands for) are taken on load from the loading class: a
+      throwaway copy of it steps, eagerly, one small tensor it quantizes, in the param's
+      stepped dtype.
+    - bitsandbytes keeps plain tensors under keys (``keyed_state``): its uint8 codes
+      ``state1``/``state2`` are element-wise entries (``state.<param>.<key>``), its code books
+      ``qmap1``/``qmap2`` replicated ones (``state_whole.<param>.<key>``), its int ``step`` an
+      int scalar (``state_int.<param>.step``), and its scales ``absmax1``/``absmax2``
+      ``state_per_block.<param>.<key>``: one entry per block of the bucket's grid, the last
+      block possibly partial, so the entry has ``ceil(numel / block)`` entries and only a piece
+      that ends at the param's end holds a block begun (its partial block's scale).
+
+    Both readings are right only for the class and block size that wrote the entries, which the
+    checkpoint records (``meta.quantized_by``: the class's module and name as UTF-8 bytes;
     ``meta.block_size``); a load into another class or block size, or from or into a class
     that keeps plain state, is refused before any state is read.
 """
@@ -34,7 +46,7 @@ import torch
 from torch import Tensor
 
 from fusion.layout import ShardPiece
-from sharded_opt.guards.optimizer_needs import block_grid_of
+from sharded_opt.guards.optimizer_needs import THIRD_PARTY_NEEDS_BY_PATH, block_grid_of
 from sharded_opt.state.checkpoint_pieces import ParamPiece
 from sharded_opt.step.inner_optimizer import hyperparameters, probe_state
 from sharded_opt.step.optimizer_shards import OptimizerShards
@@ -42,6 +54,8 @@ from sharded_opt.step.quantized_state import QuantizedFormat, flat_parts, format
 
 PARTS = "state_quantized"
 SHARED = "state_quantized_shared"
+PER_BLOCK = "state_per_block"
+"""Entries of state kept as one value per block under a key (bitsandbytes' scales)."""
 META_QUANTIZED_BY = "meta.quantized_by"
 META_BLOCK_SIZE = "meta.block_size"
 
@@ -61,22 +75,6 @@ def quantizer_entries(shards: OptimizerShards) -> dict[str, Tensor]:
         META_QUANTIZED_BY: torch.tensor(list(name.encode()), dtype=torch.uint8),
         META_BLOCK_SIZE: torch.tensor(block_size, dtype=torch.int64),
     }
-
-
-def check_checkpointable(function: str, shards: OptimizerShards) -> None:
-    """Refuse a class that keeps quantized state under keys (bitsandbytes): its per-block scales
-    have no DCP entries yet.
-
-    Raises:
-        ValueError: the inner optimizer keeps such state.
-    """
-    if shards.keyed_state is not None:
-        raise ValueError(
-            f"{function} does not support {type(shards.inner).__name__}'s state yet (quantized "
-            "moments with per-block scales under keys); save and load opt.state_dict() instead "
-            "(torch.save of opt.state_dict(to_rank=0) on rank 0, then opt.load_state_dict(sd) on "
-            "every rank: it loads on any number of ranks and into the plain class)"
-        )
 
 
 def saved_quantizer_entries(saved: dict[str, Any]) -> dict[str, Tensor]:
@@ -102,19 +100,30 @@ def check_quantizer(folder: Path, loaded: dict[str, Tensor], shards: OptimizerSh
         theirs = bytes(loaded[META_QUANTIZED_BY].tolist()).decode(), int(loaded[META_BLOCK_SIZE])
     if ours == theirs:
         return
-    cls = type(shards.inner).__name__
-    saved = "plain state" if theirs is None else f"state quantized by {theirs[0]} with block_size={theirs[1]}"
+    cls = type(shards.inner)
+    ours_path = f"{cls.__module__}.{cls.__qualname__}"
+    ours_name, fix = cls.__name__, "build the optimizer that saved it"
+    saved = "plain state"
+    if theirs is not None:
+        saved = f"state quantized by {theirs[0]} with block_size={theirs[1]}"
+        theirs_name = theirs[0].rsplit(".", 1)[-1]
+        if theirs_name == ours_name and theirs[0] != ours_path:
+            ours_name, theirs_name = ours_path, theirs[0]  # torchao's and bitsandbytes' AdamW8bit
+        setting = f"(..., block_size={theirs[1]})" if _block_size_is_a_setting(theirs[0]) else ""
+        fix = f"build {theirs_name}{setting} to load it"
     this = "keeps plain state" if ours is None else f"quantizes with block_size={ours[1]}"
-    fix = (
-        "build the optimizer that saved it"
-        if theirs is None
-        else f"build {theirs[0].rsplit('.', 1)[-1]}(..., block_size={theirs[1]}) to load it"
-    )
     raise ValueError(
-        f"load_checkpoint: the checkpoint at {folder} holds {saved}, but this optimizer ({cls}) {this}; "
-        f"quantized state does not convert between classes or block sizes. To resume, {fix}; to "
+        f"load_checkpoint: the checkpoint at {folder} holds {saved}, but this optimizer ({ours_name}) "
+        f"{this}; quantized state does not convert between classes or block sizes. To resume, {fix}; to "
         "change optimizers, load the model's weights alone and start the new optimizer fresh"
     )
+
+
+def _block_size_is_a_setting(path: str) -> bool:
+    """Whether the class at ``path`` takes its block size as a setting (torchao's
+    ``block_size=``), as any class not known by path is taken to; bitsandbytes' is fixed."""
+    needs = THIRD_PARTY_NEEDS_BY_PATH.get(path)
+    return needs is None or needs.quantized_blocks is None or callable(needs.quantized_blocks.block_size)
 
 
 def _quantizer(inner: torch.optim.Optimizer) -> tuple[str, int] | None:

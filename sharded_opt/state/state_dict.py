@@ -161,7 +161,7 @@ def gather_state_dict(shards: OptimizerShards, to_rank: int | None) -> dict[str,
                 )
             elif kind == "per_block":
                 flats.append(
-                    _Flat(index, key, value, ratio=Fraction(1, _block_size(shards, index)), per_block=True)
+                    _Flat(index, key, value, ratio=Fraction(1, block_size_of(shards, index)), per_block=True)
                 )
             else:
                 flats.append(_Flat(index, key, value))
@@ -186,7 +186,8 @@ def gather_state_dict(shards: OptimizerShards, to_rank: int | None) -> dict[str,
     return {"state": state, "param_groups": indexed_groups(shards.param_groups)}
 
 
-def _block_size(shards: OptimizerShards, index: int) -> int:
+def block_size_of(shards: OptimizerShards, index: int) -> int:
+    """The block size of param ``index``'s quantized state (its bucket's grid)."""
     grid = shards.plan.buckets[shards.plan.slot(index).bucket_index].block_grid
     if grid is None:
         raise RuntimeError(f"param {index} has per-block state but its bucket has no block grid")
@@ -391,7 +392,7 @@ def _local_states(
         states[position] = {
             key: _cut(value, piece, shards.plan.slot(position), shards.shared_state_parts)
             if elementwise[key]
-            else per_block_slice(value, piece.param_start, piece.numel, _block_size(shards, position))
+            else per_block_slice(value, piece.param_start, piece.numel, block_size_of(shards, position))
             if keyed is not None and key in keyed.per_block_keys
             else value
             for key, value in entry.items()

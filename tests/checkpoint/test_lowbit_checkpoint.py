@@ -1,8 +1,11 @@
-"""DCP checkpoints of torchao's low-bit state (Note [Quantized state in checkpoints]): written
-by N ranks, loaded by M, the state after the load is bitwise the saved one and training goes on
-bitwise as the plain class in one process that averages the same slice grads (N slices before
-the save, M after), as ``tests/parity/test_lowbit_optimizers.py`` measures for a run without a
-checkpoint. A checkpoint of another class or block size is refused.
+"""DCP checkpoints of low-bit state, torchao's and bitsandbytes'
+(Note [Quantized state in checkpoints]): written by N ranks, loaded by M, the state after the
+load is bitwise the saved one and training goes on bitwise as the plain class in one process
+that averages the same slice grads (N slices before the save, M after), as
+``tests/parity/test_lowbit_optimizers.py`` and ``tests/parity/test_bitsandbytes_optimizers.py``
+measure for a run without a checkpoint. A checkpoint of another class or block size is refused.
+bitsandbytes' runs add a param with a partial last block that 2 and 3 ranks cut
+(``Run.tail_numel``); 1 rank holds it whole.
 
 Every step here runs eagerly (``torch.compiler.set_stance("force_eager")``, in the ranks and in
 the reference alike): what a checkpoint holds does not depend on how the step is computed, and
@@ -35,6 +38,7 @@ from tests.harness.lowbit import (
 )
 
 pytest.importorskip("torchao.optim")
+pytest.importorskip("bitsandbytes")
 
 CASES = {
     "adamw8bit_2to2": ("AdamW8bit", 2, 2, True),
@@ -43,6 +47,11 @@ CASES = {
     "adamw8bit_2to1": ("AdamW8bit", 2, 1, False),
     "adamw4bit_2to3": ("AdamW4bit", 2, 3, True),
     "adamwfp8_3to2": ("AdamWFp8", 3, 2, True),
+    "bnb_adamw8bit_2to2": ("bnb.AdamW8bit", 2, 2, False),
+    "bnb_adamw8bit_2to3": ("bnb.AdamW8bit", 2, 3, True),
+    "bnb_adamw8bit_3to2": ("bnb.AdamW8bit", 3, 2, True),
+    "bnb_adamw8bit_2to1": ("bnb.AdamW8bit", 2, 1, False),
+    "bnb_adam8bit_2to3": ("bnb.Adam8bit", 2, 3, False),
 }
 """Per case: the class, ranks that save, ranks that load, overlap when saving (loading uses the
 other mode)."""
@@ -67,7 +76,7 @@ def _serialized(state_dict: dict) -> bytes:
 
 def _train_save_continue(path: str, cls: str, overlap: bool) -> dict:
     """The uninterrupted run: saves after ``RESUME_AT`` steps and goes on to ``STEPS``."""
-    model = make_model()
+    model = make_model(tail_numel=Run(cls).tail_numel)
     opt = ShardingStage1(make_optimizer(cls, model.parameters()), overlap=overlap, model=model)
     _steps(model, opt, cls, range(RESUME_AT))
     saved = _serialized(opt.state_dict())
@@ -78,7 +87,7 @@ def _train_save_continue(path: str, cls: str, overlap: bool) -> dict:
 
 
 def _load_continue(path: str, cls: str, overlap: bool) -> dict:
-    model = make_model(seed=99)  # everything must come from the checkpoint
+    model = make_model(seed=99, tail_numel=Run(cls).tail_numel)  # everything must come from the checkpoint
     opt = ShardingStage1(make_optimizer(cls, model.parameters()), overlap=overlap, model=model)
     load_checkpoint(path, model, opt)
     loaded = _serialized(opt.state_dict())
@@ -140,8 +149,8 @@ def test_training_goes_on_bitwise(resharded, name: str) -> None:
             assert torch.equal(got, want)
 
 
-def _load_error(path: str, cls: str, kwargs: dict) -> str:
-    model = make_model()
+def _load_error(path: str, cls: str, kwargs: dict, tail_numel: int = 0) -> str:
+    model = make_model(tail_numel=tail_numel)
     params = model.parameters()
     inner = torch.optim.AdamW(params) if cls == "AdamW" else make_optimizer(cls, params, **kwargs)
     opt = ShardingStage1(inner, model=model)
@@ -167,3 +176,68 @@ def test_a_checkpoint_of_another_class_or_block_size_is_refused(
     error = run_ranks(_load_error, 1, str(path), cls, kwargs)[0]
     assert "holds state quantized by torchao.optim.adam.AdamW8bit with block_size=256" in error
     assert message in error and "build AdamW8bit(..., block_size=256) to load it" in error
+
+
+BNB_REFUSALS = {
+    "bnb_into_torchao": (
+        "bnb_adamw8bit_2to1",
+        "AdamW8bit",
+        "state quantized by bitsandbytes.optim.adamw.AdamW8bit with block_size=256",
+        "torchao.optim.adam.AdamW8bit) quantizes with block_size=256",
+        "build bitsandbytes.optim.adamw.AdamW8bit to load it",
+    ),
+    "bnb_into_plain": (
+        "bnb_adamw8bit_2to1",
+        "AdamW",
+        "state quantized by bitsandbytes.optim.adamw.AdamW8bit with block_size=256",
+        "AdamW) keeps plain state",
+        "build AdamW8bit to load it",
+    ),
+    "torchao_into_bnb": (
+        "adamw8bit_2to1",
+        "bnb.AdamW8bit",
+        "state quantized by torchao.optim.adam.AdamW8bit with block_size=256",
+        "bitsandbytes.optim.adamw.AdamW8bit) quantizes with block_size=256",
+        "build torchao.optim.adam.AdamW8bit(..., block_size=256) to load it",
+    ),
+    "plain_into_bnb": (
+        None,
+        "bnb.AdamW8bit",
+        "plain state",
+        "AdamW8bit) quantizes with block_size=256",
+        "build the optimizer that saved it",
+    ),
+}
+"""Per case: the checkpoint (a ``CASES`` one, None: plain AdamW's), the loading class, and what
+the error says the checkpoint holds, the loading optimizer is and to build. torchao's and
+bitsandbytes' ``AdamW8bit`` share a name, so between them both are named by module."""
+
+
+def _save_plain_then_load_errors(plain: str, loads: list[tuple]) -> list[str]:
+    model = make_model()
+    save_checkpoint(plain, model, ShardingStage1(torch.optim.AdamW(model.parameters()), model=model))
+    return [_load_error(*load) for load in loads]
+
+
+@pytest.fixture(scope="module")
+def bnb_refusals(resharded, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Per ``BNB_REFUSALS`` case, the error of the load, into a model like the saved one (one
+    spawn for all)."""
+    plain = tmp_path_factory.mktemp("plain") / "ckpt"
+    loads = [
+        (str(plain), cls, {}, 0)
+        if saved is None
+        else (str(resharded[saved][0]), cls, {}, Run(CASES[saved][0]).tail_numel)
+        for saved, cls, *_ in BNB_REFUSALS.values()
+    ]
+    return dict(
+        zip(BNB_REFUSALS, run_ranks(_save_plain_then_load_errors, 1, str(plain), loads)[0], strict=True)
+    )
+
+
+@pytest.mark.parametrize("name", BNB_REFUSALS)
+def test_bitsandbytes_checkpoints_and_others_do_not_cross(bnb_refusals, name: str) -> None:
+    _, _, holds, this, fix = BNB_REFUSALS[name]
+    error = bnb_refusals[name]
+    assert f"holds {holds}, but this optimizer (" in error, error
+    assert this in error and fix in error, error

@@ -17,11 +17,10 @@ import torch
 
 from fusion.block_layout import BlockGrid
 from fusion.layout import ParamSpec
-from sharded_opt import ShardingConfig, ShardingStage1, load_checkpoint, save_checkpoint
+from sharded_opt import ShardingConfig, ShardingStage1
 from sharded_opt.guards.optimizer_needs import block_grid_of
 from sharded_opt.plan.planner import layout_for
 from sharded_opt.step.inner_optimizer import constructor_kwargs
-from tests.harness.dist_helper import run_ranks
 from tests.harness.lowbit import (
     BNB_TAIL_NUMEL,
     Run,
@@ -136,23 +135,6 @@ def test_per_param_overrides_are_refused() -> None:
             ShardingStage1(optimizer)
     finally:
         manager.initialize()
-
-
-def _checkpoint_refusals(folder: str) -> list[str]:
-    model = make_model()
-    opt = ShardingStage1(make_optimizer("bnb.AdamW8bit", model.parameters()), model=model)
-    messages = []
-    for function in (save_checkpoint, load_checkpoint):
-        with pytest.raises(ValueError, match=f"{function.__name__} does not support AdamW8bit") as error:
-            function(folder, model, opt)
-        messages.append(str(error.value))
-    return messages
-
-
-def test_dcp_checkpoints_are_refused_with_the_way_round(tmp_path) -> None:
-    """No DCP entries for keyed per-block scales yet: both functions say to use state_dict()."""
-    for messages in run_ranks(_checkpoint_refusals, 2, str(tmp_path / "ckpt")):
-        assert all("save and load opt.state_dict() instead" in m for m in messages)
 
 
 def _args(**overrides) -> object:
