@@ -26,7 +26,7 @@ from torch import nn
 
 from benchmarks.models import PRESETS, build_gpt
 from sharded_opt import ShardingStage1, spawn
-from sharded_opt.step.quantized_state import stored_bytes
+from sharded_opt.step.quantized_state import states_nbytes
 
 CLASSES = ("AdamW", "AdamW8bit", "AdamW4bit", "AdamWFp8")
 BITSANDBYTES_CLASSES = ("bnb.AdamW8bit", "bnb.Adam8bit")
@@ -79,13 +79,8 @@ def measure(cls: str, model_name: str, width: int, steps: int, sharded: bool) ->
         if step >= WARMUP:
             times.append(time.perf_counter() - start)
     numel = sum(p.numel() for p in model.parameters())
-    if sharded:
-        state = opt.memory_bytes()["optimizer_state"]
-    else:
-        # bitsandbytes' step is an int, not a tensor
-        state = sum(
-            stored_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
-        )
+    # A tensor several values share (bitsandbytes' code books; ours per rank) counts once.
+    state = opt.memory_bytes()["optimizer_state"] if sharded else states_nbytes(opt.state.values())
     return state, numel, statistics.median(times)
 
 
