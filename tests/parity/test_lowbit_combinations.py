@@ -1,8 +1,8 @@
-"""torchao's low-bit Adam(W) under ShardingStage1 combined with the rest of the wrapper: global
-clipping, ``ShardedGradScaler`` with fp16 params and fp32 masters, bf16 params with and without
-fp32 masters, hybrid sharding (2 x 2), and DDP as the reference users compare with. The model
-and loops: ``tests/harness/lowbit.py``; the cut rules: Note [Cuts on quantization blocks] in
-``fusion/block_layout.py``.
+"""torchao's low-bit Adam(W) (and bitsandbytes' AdamW8bit) under ShardingStage1 combined with the
+rest of the wrapper: global clipping, ``ShardedGradScaler`` with fp16 params and fp32 masters,
+bf16 params with and without fp32 masters, hybrid sharding (2 x 2), and DDP as the reference
+users compare with. The model and loops: ``tests/harness/lowbit.py``; the cut rules:
+Note [Cuts on quantization blocks] in ``fusion/block_layout.py``.
 
 Every comparison is bitwise, against one process that averages the same slice grads in fp32 as
 the ranks' reduction does (quantized state turns a last-bit difference of a grad into a code a
@@ -56,6 +56,14 @@ RUNS = {
     ),
     "bf16_no_master": Run("AdamW8bit", overlap=True, param_dtype=torch.bfloat16),
     "fp32_overlap": Run("AdamW8bit", overlap=True),
+    # bitsandbytes' AdamW8bit (cut by its own rules: 4096 or more each side of a block edge).
+    "bnb_clip_sync": Run("bnb.AdamW8bit", clip_norm=CLIP_NORM),
+    "bnb_scaler_fp16_fp32_master": Run(
+        "bnb.AdamW8bit", overlap=True, param_dtype=torch.float16, master_dtype=torch.float32, scaler=True
+    ),
+    "bnb_bf16_fp32_master": Run(
+        "bnb.AdamW8bit", overlap=True, param_dtype=torch.bfloat16, master_dtype=torch.float32
+    ),
 }
 HYBRID_RUN = Run("AdamW8bit", overlap=True, clip_norm=CLIP_NORM, degree=2)
 
@@ -114,29 +122,30 @@ def _assert_clipped_alike(results: list[dict], run: Run, slices: int) -> None:
     assert min(float(n) for n in norms) > CLIP_NORM
 
 
-@pytest.mark.parametrize("name", ["clip_overlap", "clip_sync"])
+@pytest.mark.parametrize("name", ["clip_overlap", "clip_sync", "bnb_clip_sync"])
 def test_clipped_by_the_global_norm(two_ranks, name: str) -> None:
     _assert_clipped_alike(two_ranks[name], RUNS[name], slices=2)
 
 
-def test_grad_scaler_with_fp16_params_and_fp32_masters(two_ranks) -> None:
+@pytest.mark.parametrize("name", ["scaler_fp16_fp32_master", "bnb_scaler_fp16_fp32_master"])
+def test_grad_scaler_with_fp16_params_and_fp32_masters(two_ranks, name: str) -> None:
     """``ShardedGradScaler`` against ``torch.amp.GradScaler`` over the plain class on fp32
     masters: the step whose last sample holds an inf is skipped on both ranks, the scale halves
     once, and every other step is the plain one bitwise."""
-    results = two_ranks["scaler_fp16_fp32_master"]
-    reference = train_plain(RUNS["scaler_fp16_fp32_master"], slices=2)
+    results = two_ranks[name]
+    reference = train_plain(RUNS[name], slices=2)
     assert reference["scale"] == INIT_SCALE / 2 and 0 <= INF_STEP < STEPS
     for result in results:
         assert result["scale"] == reference["scale"]
     _assert_bitwise(results, reference["params"])
 
 
-def test_bf16_params_with_fp32_masters_step_the_masters(two_ranks) -> None:
+@pytest.mark.parametrize("name", ["bf16_fp32_master", "bnb_bf16_fp32_master"])
+def test_bf16_params_with_fp32_masters_step_the_masters(two_ranks, name: str) -> None:
     """The wrapper steps fp32 masters of its pieces, so the reference is the plain class over
     fp32 masters of the bf16 params, cast back after every step (not the plain class over the
     bf16 params, which keeps bf16 state for small params and rounds every update to bf16)."""
-    results = two_ranks["bf16_fp32_master"]
-    _assert_bitwise(results, train_plain(RUNS["bf16_fp32_master"], slices=2)["params"])
+    _assert_bitwise(two_ranks[name], train_plain(RUNS[name], slices=2)["params"])
 
 
 def test_bf16_params_without_masters_are_the_plain_class_on_bf16(two_ranks) -> None:

@@ -81,9 +81,9 @@ def test_state_dict_is_the_plain_classs_own_and_loads_into_it(sharded_runs, name
 @pytest.mark.parametrize("name", list(RUNS))
 def test_state_per_rank_is_a_share_of_the_plain_classs(sharded_runs, name: str) -> None:
     """Each code, scale and plain moment's element on exactly one rank, one set of code books
-    per rank (Note [Shared code books]), and each rank within its 1/N share plus the two fp32 moments of the model's
-    largest param kept plain (the 4097-element gain): the layout spreads those over the
-    ranks (Note [Cuts on quantization blocks])."""
+    per rank (Note [Shared code books]), and each rank within its 1/N share plus the two fp32
+    moments of the model's largest param kept plain (the 4097-element gain): the layout
+    spreads those over the ranks (Note [Cuts on quantization blocks])."""
     _, results = sharded_runs
     plain = train_plain(RUNS[name])["optimizer"]
     assert_state_is_shared_out(results[name], plain, slack=4097 * 8)
