@@ -58,13 +58,18 @@ class Setting:
     """Move every initial param element one ulp (``torch.nextafter``) towards +inf or -inf, the
     direction drawn from the run's seed (:func:`nudge_one_ulp`): the smallest change a run can
     have, so the control for how far trajectories spread apart after any difference."""
+    error_feedback: bool = False
+    """``ShardingConfig.grad_error_feedback``: carry the grads' rounding error into the next
+    step (Note [Error feedback] in ``sharded_opt/comm/compression.py``)."""
 
 
 SETTINGS: dict[str, Setting] = {
     "exact": Setting(),
     "exact-ulp": Setting(ulp_nudge=True),
     "bf16": Setting(Compression(grad="bf16")),
+    "bf16-ef": Setting(Compression(grad="bf16"), error_feedback=True),
     "int8-grads": Setting(Compression(grad="int8")),
+    "int8-grads-ef": Setting(Compression(grad="int8"), error_feedback=True),
     "int8": Setting(Compression(grad="int8", param="int8")),
 }
 """Exact first: the others are compared with it. ``exact-ulp`` is the control: the exact wire
@@ -138,6 +143,7 @@ def strategy_for(setting: str, overlap: bool) -> Strategy:
             enable_overlap=overlap,
             grad_compression=compression.grad,
             param_compression=compression.param,
+            grad_error_feedback=SETTINGS[setting].error_feedback,
         )
     )
 

@@ -274,7 +274,9 @@ class ShardingStage1(StateDictMethods):
         ``published`` (with ``param_compression``: the local shard's params as last sent, Note
         [Compressed wire] in ``compression``), ``optimizer_state``, ``staging`` (grads cast to
         ``reduce_dtype`` for the reduce-scatter, Note [Bounded staging] in ``comm_context``;
-        none on CPU gloo, which widens on receipt)."""
+        none on CPU gloo, which widens on receipt), ``grad_residual`` (with
+        ``grad_error_feedback``: the fp32 residual of the grads sent, Note [Error feedback] in
+        ``compression``)."""
         return self.shards.memory_bytes()
 
     def wire_bytes(self) -> dict[str, int]:

@@ -86,6 +86,14 @@ class ShardingConfig:
     one step's quantization error (the next delta carries it). Costs a master copy and a copy of
     the last sent params of the local shard. See Note [Compressed wire]."""
 
+    grad_error_feedback: bool = False
+    """With ``grad_compression``: carry each step's rounding error of the grads a rank sends
+    into its next reduction (error feedback). Each rank keeps an fp32 residual of the elements
+    it sends to its peers, (N-1)/N of every compressed bucket (4 bytes per param at large N,
+    ``memory_bytes()["grad_residual"]``), adds it to those grads before encoding them and keeps
+    what the codes missed. Not saved in checkpoints; refused with hybrid sharding (``degree``).
+    See Note [Error feedback] in ``sharded_opt/comm/compression.py``."""
+
     broadcast_buffers: bool = True
     """DDP's option of the same name: with a model attached, copy every buffer (BatchNorm's
     running statistics, ...) from the group's first rank before each forward with grad enabled,
@@ -128,8 +136,11 @@ COMPRESSION_CHOICES: dict[str, tuple[str | None, ...]] = {
 }
 
 
+_BOOL_FIELDS = ("enable", "enable_overlap", "broadcast_buffers", "gloo_point_to_point", "grad_error_feedback")
+
+
 def _check_field(name: str, value: Any) -> None:
-    if name in ("enable", "enable_overlap", "broadcast_buffers", "gloo_point_to_point"):
+    if name in _BOOL_FIELDS:
         if not isinstance(value, bool):
             raise ValueError(
                 f"Strategy.sharding.{name} expects a bool but got {value!r} ({type(value).__name__})"

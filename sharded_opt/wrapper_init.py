@@ -182,6 +182,8 @@ def plan_buckets(
         config.param_compression,
         sharded=config.enable,
         specs=specs,
+        grad_error_feedback=config.grad_error_feedback,
+        hybrid=groups.replicate is not None,
     )
     sharded = config.enable and groups.shard_size > 1
     bucket_sizes = config.bucket_sizes(trainable_bytes(specs))
@@ -237,6 +239,7 @@ def build_shards(
         device=plan.buckets[0].device,
         grad_compression=config.grad_compression,
         param_compression=config.param_compression,
+        grad_error_feedback=config.grad_error_feedback,
     )
     buckets = build_buckets(buffers, precisions, comm)
     if optimizer.state:

@@ -41,6 +41,16 @@ class BucketWire:
         compresses it even where the grads travel exact)."""
         if comm.replicate_group is not None and comm.grad_compression is not None:
             self._replica_codec = compression.make_codec(comm.grad_compression, shard_numel)
+        self.residual: Tensor | None = None
+        """With error feedback, the fp32 residual of the slices this rank sends, one row per peer
+        (Note [Error feedback] in ``compression``); allocated with the bucket's grad buffer."""
+
+    def allocate_residual(self, device: torch.device) -> None:
+        """Give the bucket its error feedback residual, zero, where its grads are compressed
+        with ``grad_error_feedback``."""
+        codec, comm = self._grad_codec, self._comm
+        if codec is not None and comm.grad_error_feedback and self.residual is None:
+            self.residual = torch.zeros(comm.world_size - 1, codec.numel, dtype=torch.float32, device=device)
 
     @property
     def publishes_deltas(self) -> bool:
@@ -63,7 +73,7 @@ class BucketWire:
             comm.receives.admit(grad_buffer.nbytes)
         if self._grad_codec is not None:
             work = compression.reduce_scatter_compressed(
-                reduced, grad_buffer, self._grad_codec, comm.group, comm.point_to_point
+                reduced, grad_buffer, self._grad_codec, comm.group, comm.point_to_point, self.residual
             )
             comm.wire.grads += compression.payload_bytes(self._grad_codec, comm.world_size)
         elif grad_buffer.dtype == reduced.dtype or comm.widens_on_receipt:

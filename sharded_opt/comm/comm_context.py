@@ -79,8 +79,9 @@ class CommContext:
         point_to_point: ``ShardingConfig.gloo_point_to_point``, see Note [Reduce-scatter on
             gloo] in ``collectives``.
         device: the buckets' device (the comm stream's).
-        grad_compression, param_compression: ``ShardingConfig``'s fields of these names (used
-            only when sharded), see Note [Compressed wire] in ``compression``.
+        grad_compression, param_compression, grad_error_feedback: ``ShardingConfig``'s fields
+            of these names (used only when sharded), see Notes [Compressed wire] and [Error
+            feedback] in ``compression``.
     """
 
     def __init__(
@@ -95,11 +96,13 @@ class CommContext:
         device: torch.device,
         grad_compression: str | None = None,
         param_compression: str | None = None,
+        grad_error_feedback: bool = False,
     ) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
         self.sharded = sharded and world_size > 1
         self.grad_compression = grad_compression if self.sharded else None
         self.param_compression = param_compression if self.sharded else None
+        self.grad_error_feedback = grad_error_feedback and self.grad_compression is not None
         self.wire = WireBytes()
         self.replicate_group = replicate_group if self.sharded else None
         self.point_to_point = point_to_point
@@ -124,6 +127,7 @@ class CommContext:
         device: torch.device,
         grad_compression: str | None = None,
         param_compression: str | None = None,
+        grad_error_feedback: bool = False,
     ) -> CommContext:
         """Sharded over the shard group where sharding is on (``ShardingConfig.enable``) and it
         has several ranks; otherwise all-reducing (or, on one rank, leaving) the grads of the
@@ -139,6 +143,7 @@ class CommContext:
                 device=device,
                 grad_compression=grad_compression,
                 param_compression=param_compression,
+                grad_error_feedback=grad_error_feedback,
             )
         return cls(
             groups.world,

@@ -291,14 +291,20 @@ def check_compression(
     *,
     sharded: bool,
     specs: list[ParamSpec],
+    grad_error_feedback: bool = False,
+    hybrid: bool = False,
 ) -> None:
-    """Refuse a ``grad_compression``/``param_compression`` setting the compressed collectives do
-    not support (Note [Compressed wire] in ``sharded_opt/comm/compression.py``): they replace the
-    sharded reduce-scatter and all-gather of CPU tensors on gloo and nothing else.
+    """Refuse a ``grad_compression``/``param_compression``/``grad_error_feedback`` setting the
+    compressed collectives do not support (Note [Compressed wire] in
+    ``sharded_opt/comm/compression.py``): they replace the sharded reduce-scatter and all-gather
+    of CPU tensors on gloo and nothing else; error feedback needs compressed grads and covers
+    the reduce-scatter only, not hybrid sharding's average across groups (Note [Error feedback]).
 
     Raises:
         ValueError: naming the setting, what it met and what is accepted.
     """
+    if grad_error_feedback:
+        check_error_feedback(grad_compression, hybrid)
     chosen = [
         f"{name}={value!r}"
         for name, value in (("grad_compression", grad_compression), ("param_compression", param_compression))
@@ -325,4 +331,26 @@ def check_compression(
         raise ValueError(
             f"ShardingStage1 got {setting} for params of dtype {kinds[0]}: compression accepts real "
             f"floating-point params only (float32, bfloat16, float16, float64). Exclude those params, {off}"
+        )
+
+
+def check_error_feedback(grad_compression: str | None, hybrid: bool) -> None:
+    """Refuse ``grad_error_feedback`` without compressed grads, or with hybrid sharding (Note
+    [Error feedback] in ``sharded_opt/comm/compression.py``).
+
+    Raises:
+        ValueError: naming the setting and what it met.
+    """
+    if grad_compression is None:
+        raise ValueError(
+            "ShardingStage1 got Strategy().sharding.grad_error_feedback=True with grad_compression=None: "
+            "error feedback carries the rounding error of compressed grads, and exact grads have none. "
+            "Set grad_compression to 'bf16' or 'int8', or leave grad_error_feedback at False"
+        )
+    if hybrid:
+        raise ValueError(
+            "ShardingStage1 got Strategy().sharding.grad_error_feedback=True with hybrid sharding "
+            "(degree below the world size): the residual covers the reduce-scatter within a shard "
+            "group, not the compressed average across the groups (not supported). Shard over every "
+            "rank (degree=None), or leave grad_error_feedback at False"
         )

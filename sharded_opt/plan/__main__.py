@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--param-compression", choices=_compressions("param_compression"), default=None,
                         help="ShardingConfig.param_compression: also plan the sharded modes with their "
                              "updated params sent as compressed deltas, beside exact")  # fmt: skip
+    parser.add_argument("--grad-error-feedback", action="store_true",
+                        help="ShardingConfig.grad_error_feedback (with --grad-compression): count the "
+                             "fp32 residual of the grads sent")  # fmt: skip
     parser.add_argument("--calibrate", action="store_true",
                         help="measure compute and the link between two local ranks (seconds)")  # fmt: skip
     parser.add_argument("--compute-ms", type=float, default=None, help="forward + backward of one rank")
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 master_dtype=master,
                 grad_compression=args.grad_compression,
                 param_compression=args.param_compression,
+                grad_error_feedback=args.grad_error_feedback,
             ),
         )
     except ValueError as error:

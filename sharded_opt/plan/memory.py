@@ -6,11 +6,12 @@ a grad buffer for each bucket that takes part (Note [Buckets that take part]), p
 persistent averaged grad of the shard in the reduce dtype, a grad in the master dtype when the
 optimizer steps a master copy of another dtype, the master copy (with ``param_compression`` one
 even in the params' own dtype, and the shard's params as last published, Note [Compressed wire]
-in ``sharded_opt/comm/compression.py``), the optimizer's state for the rank's pieces (padding
-has none, Note [Per-param pieces]; a low-bit optimizer's codes and scales for each piece it
-quantizes, Note [Cuts on quantization blocks], and its code books once per rank, Note [Shared
-code books]); no staging pool (Note [Bounded
-staging]): on CPU gloo, which the planner models, 16-bit grads are widened on receipt. Nor the
+in ``sharded_opt/comm/compression.py``), with ``grad_error_feedback`` an fp32 residual of the
+grads each compressed bucket sends (Note [Error feedback]), the optimizer's state for the rank's
+pieces (padding has none, Note [Per-param pieces]; a low-bit optimizer's codes and scales for each
+piece it quantizes, Note [Cuts on quantization blocks], and its code books once per rank, Note
+[Shared code books]); no staging pool (Note [Bounded staging]): on CPU gloo, which the planner
+models, 16-bit grads are widened on receipt. Nor the
 compressed collectives' rows of codes, which live while a bucket's collective is in flight, as
 the receive buffers of the exact ones do (``memory_bytes()`` counts neither). DDP holds the
 params and grads unpadded, the optimizer's state for every param, and its reducer's flat bucket
@@ -27,6 +28,7 @@ import torch
 
 from fusion.block_layout import BlockGrid
 from fusion.layout import BucketPlan, LayoutPlan, ParamSpec
+from sharded_opt.comm.bucket_wire import grad_codec
 from sharded_opt.step.local_shard import BucketPrecision
 
 
@@ -83,6 +85,8 @@ class MemoryBytes:
     """Of ``params`` and ``grads``: bytes of padding in the flat buffers."""
     published: int = 0
     """With ``param_compression``: the local shard's params as this rank last sent them."""
+    grad_residual: int = 0
+    """With ``grad_error_feedback``: the fp32 residual of the grads this rank sends."""
 
     @property
     def total(self) -> int:
@@ -90,7 +94,16 @@ class MemoryBytes:
 
     def as_report(self) -> dict[str, int]:
         """In the form of ``ShardingStage1.memory_bytes()``."""
-        keys = ("params", "grads", "reduced_grads", "master", "published", "optimizer_state", "staging")
+        keys = (
+            "params",
+            "grads",
+            "reduced_grads",
+            "master",
+            "published",
+            "optimizer_state",
+            "staging",
+            "grad_residual",
+        )
         return {key: getattr(self, key) for key in keys}
 
 
@@ -101,6 +114,7 @@ def sharded_memory(
     rank: int,
     *,
     materialize_all: bool = False,
+    fed_back: str | None = None,
 ) -> MemoryBytes:
     """Bytes ``rank`` holds under the wrapper with ``plan`` (made for the shard group's size).
 
@@ -114,6 +128,9 @@ def sharded_memory(
         rank: the rank's index in its shard group.
         materialize_all: the optimizer creates state at construction (Adagrad), so every bucket,
             frozen ones included, gets its grad buffer and shard at once.
+        fed_back: the ``grad_compression`` sent with ``grad_error_feedback`` (None without):
+            each bucket whose grads it compresses keeps an fp32 residual of the N-1 slices
+            sent (Note [Error feedback] in ``sharded_opt/comm/compression.py``).
     """
     sharded = plan.world_size > 1
     params = sum(_nbytes(b.padded_numel, b.dtype) for b in plan.buckets)
@@ -122,8 +139,10 @@ def sharded_memory(
     # A bucket that stages its grads also leaves autograd's own grad tensors in place (Note
     # [Staged grads] in ``fusion.layout``).
     grads += sum(_nbytes(b.used_numel, b.dtype) for b in live if b.staged_grads)
-    reduced = master = published = state = code_books = 0
+    reduced = master = published = state = code_books = residual = 0
     for bucket in live:
+        if sharded and grad_codec(fed_back, bucket.shard_numel, bucket.dtype) is not None:
+            residual += _nbytes((plan.world_size - 1) * bucket.shard_numel, torch.float32)
         precision = precisions[bucket.index]
         stepped_numel = bucket.shard_numel if sharded else bucket.padded_numel
         reduced_dtype = bucket.dtype
@@ -147,7 +166,17 @@ def sharded_memory(
     padding = (params - used) + (grads - used_live)
     # No staging: the planner models CPU tensors on gloo, whose reduce-scatter widens 16-bit grads
     # on receipt (Note [Widening on receipt] in ``collectives``).
-    return MemoryBytes(params, grads, reduced, master, state, staging=0, padding=padding, published=published)
+    return MemoryBytes(
+        params,
+        grads,
+        reduced,
+        master,
+        state,
+        staging=0,
+        padding=padding,
+        published=published,
+        grad_residual=residual,
+    )
 
 
 def _stepped_numels(bucket: BucketPlan, rank: int, sharded: bool) -> list[tuple[int, int]]:

@@ -15,6 +15,7 @@ from fusion.block_layout import BlockGrid
 from fusion.bucket_sizing import trainable_bytes
 from fusion.layout import BucketPlan, LayoutPlan, ParamSpec, plan_layout
 from sharded_opt.guards.optimizer_needs import block_grid_of
+from sharded_opt.guards.validation import check_error_feedback
 from sharded_opt.plan.config import Cluster, ComputeTimes
 from sharded_opt.plan.cost import GroupPlacement, collective_s, crosses_nodes, sent_s, wire_bytes
 from sharded_opt.plan.memory import MemoryBytes, StateBytes, ddp_memory, sharded_memory
@@ -158,6 +159,8 @@ def plan_training(
             without trainable params.
     """
     sharding = ShardingConfig() if sharding is None else sharding
+    if sharding.grad_error_feedback:
+        check_error_feedback(sharding.grad_compression, hybrid=False)
     if steps_per_sync is not None and steps_per_sync < 1:
         raise ValueError(f"plan expects steps_per_sync >= 1 or None but got {steps_per_sync!r}")
     optimizer_class = resolve_optimizer(optimizer)
@@ -172,7 +175,7 @@ def plan_training(
     inputs = _Inputs(
         specs, meta_optimizer, state_bytes, at_construction, cluster, compute, sharding, steps_per_sync
     )
-    exact = replace(sharding, grad_compression=None, param_compression=None)
+    exact = replace(sharding, grad_compression=None, param_compression=None, grad_error_feedback=False)
     exact_modes, sweep = _sharded_modes(replace(inputs, sharding=exact))
     compressed, compressed_sweep = _sharded_modes(inputs) if sharding != exact else ([], ())
     pairs = itertools.zip_longest(exact_modes, compressed)  # each mode exact, then compressed
@@ -193,8 +196,10 @@ def _sharded_modes(inputs: _Inputs) -> tuple[list[ModePlan], tuple[ModePlan, ...
         _sharded_mode(inputs, "sync", world_size, inputs.sharding.bucket_size_mb),
         _sharded_mode(inputs, "overlap", world_size, best_size),
     ]
+    # The wrapper refuses error feedback with hybrid sharding (Note [Error feedback]).
+    hybrid = not inputs.sharding.grad_error_feedback
     for degree in range(2, world_size):
-        if world_size % degree == 0:
+        if hybrid and world_size % degree == 0:
             modes.append(_sharded_mode(inputs, "hybrid", degree, best_size))
     return modes, sweep
 
@@ -273,7 +278,14 @@ def _sharded_mode(inputs: _Inputs, mode: str, degree: int, bucket_size_mb: float
     plan = layout_for(inputs.specs, degree, sharding, block_grid_of(inputs.optimizer))
     precisions = [_precision(bucket.dtype, sharding, degree) for bucket in plan.buckets]
     memory = tuple(
-        sharded_memory(plan, precisions, inputs.state_bytes, rank, materialize_all=inputs.at_construction)
+        sharded_memory(
+            plan,
+            precisions,
+            inputs.state_bytes,
+            rank,
+            materialize_all=inputs.at_construction,
+            fed_back=sharding.grad_compression if sharding.grad_error_feedback else None,
+        )
         for rank in range(degree)
     )
     shard = GroupPlacement.consecutive(degree, cluster)
@@ -369,11 +381,15 @@ def format_plan(plan: TrainingPlan) -> str:
     times, compressed modes against exact ones where planned, then the pick."""
     mib = 2**20
     publishes = any(m.memory.published for m in plan.modes)
+    feeds_back = any(m.memory.grad_residual for m in plan.modes)
     width = max(10, *(len(m.label) for m in plan.modes))
     header = (
         f"{'mode':{width}} {'buckets':>7} {'bucket MiB':>10} {'params':>8} {'grads':>8} {'red.grad':>8} "
-        f"{'master':>8} " + (f"{'publ.':>8} " if publishes else "") + f"{'opt st.':>8} {'comm buf':>8} "
-        f"{'total':>8} {'(pad)':>7} {'sent MiB':>8} {'step ms':>8} {'comm ms':>8}"
+        f"{'master':>8} "
+        + (f"{'publ.':>8} " if publishes else "")
+        + f"{'opt st.':>8} "
+        + (f"{'resid.':>8} " if feeds_back else "")
+        + f"{'comm buf':>8} {'total':>8} {'(pad)':>7} {'sent MiB':>8} {'step ms':>8} {'comm ms':>8}"
     )
     lines = [
         f"{plan.num_params / 1e6:.2f}M trainable params, {plan.world_size} rank(s); bytes per rank in MiB, "
@@ -389,6 +405,7 @@ def format_plan(plan: TrainingPlan) -> str:
             memory.master,
             *((memory.published,) if publishes else ()),
             memory.optimizer_state,
+            *((memory.grad_residual,) if feeds_back else ()),
             memory.staging + memory.ddp_buckets,
             memory.total,
         )

@@ -183,6 +183,7 @@ class Bucket:
         buffers, comm, precision, plan = self._buffers, self._comm, self.precision, self.plan
         buffers.allocate_grads(self.index)
         grad_buffer = buffers.grad_buffers[self.index]
+        self._wire.allocate_residual(plan.device)
         if comm.sharded:
             reduced = torch.zeros(plan.shard_numel, dtype=precision.reduce_dtype, device=plan.device)
             if grad_buffer.dtype != reduced.dtype and not comm.widens_on_receipt:
@@ -321,6 +322,11 @@ class Bucket:
             )
         else:
             self._param_work = self._wire.gather(self.param_buffer, shard.param_view)
+
+    @property
+    def grad_residual(self) -> Tensor | None:
+        """Its error feedback residual, see Note [Error feedback] in ``compression``."""
+        return self._wire.residual
 
     @property
     def publishes_deltas(self) -> bool:

@@ -133,4 +133,5 @@ class OptimizerShards:
             "published": nbytes(s.published for s in self.live_shards() if s.published is not None),
             "optimizer_state": self.optimizer_state_bytes(),
             "staging": self.comm.staging.nbytes,
+            "grad_residual": nbytes(b.grad_residual for b in self.buckets if b.grad_residual is not None),
         }

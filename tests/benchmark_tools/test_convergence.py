@@ -62,6 +62,15 @@ def test_heldout_steps_end_at_the_last_step() -> None:
     assert convergence.heldout_steps(longer) == [0, 20, 40, 45]
 
 
+@pytest.mark.parametrize("setting", ["bf16", "int8-grads"])
+def test_error_feedback_settings_differ_from_theirs_in_the_feedback_alone(setting: str) -> None:
+    plain = convergence.strategy_for(setting, overlap=False)
+    fed_back = convergence.strategy_for(f"{setting}-ef", overlap=False)
+    assert fed_back.sharding.grad_error_feedback and not plain.sharding.grad_error_feedback
+    fed_back.sharding.grad_error_feedback = False
+    assert fed_back == plain
+
+
 def test_the_control_nudges_every_param_one_ulp_up_or_down_the_same_on_every_rank() -> None:
     """``exact-ulp``: the exact wire; each element moved to its neighbouring float, the
     directions a coin drawn from the seed alone (each rank draws them itself)."""

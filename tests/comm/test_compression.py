@@ -1,9 +1,11 @@
-"""Compressed grads and int8 param deltas (Note [Compressed wire] in sharded_opt/comm/compression.py).
+"""Compressed grads and int8 param deltas (Note [Compressed wire] in sharded_opt/comm/compression.py),
+and their error feedback (Note [Error feedback]).
 
-The codecs are checked alone on one process; the collectives against the arithmetic the Note
-states, computed from every rank's inputs on each rank; training on 2 and 3 ranks (and 2 x 2
-hybrid) hashes every rank's params after every step, sync against overlap bitwise, and with the
-scaler, clipping, accumulation, whole-param owners, user writes and checkpoints.
+The codecs are checked alone on one process; the collectives against the arithmetic the Notes
+state, computed from every rank's inputs on each rank (with error feedback, over three steps
+with every sender's residual carried by hand); training on 2 and 3 ranks (and 2 x 2 hybrid)
+hashes every rank's params after every step, sync against overlap bitwise, and with the scaler,
+clipping, accumulation, whole-param owners, user writes and checkpoints.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -34,11 +37,14 @@ from sharded_opt.step.local_shard import LocalShard
 from tests.harness.dist_helper import run_ranks
 
 SETTINGS = {
-    "exact": (None, None),
-    "bf16": ("bf16", None),
-    "int8-grads": ("int8", None),
-    "int8": ("int8", "int8"),
+    "exact": (None, None, False),
+    "bf16": ("bf16", None, False),
+    "int8-grads": ("int8", None, False),
+    "int8": ("int8", "int8", False),
+    "bf16-ef": ("bf16", None, True),
+    "int8-ef": ("int8", "int8", True),
 }
+"""grad_compression, param_compression, grad_error_feedback."""
 STEPS = 6
 
 
@@ -122,9 +128,9 @@ def test_the_write_check_sees_every_changed_bit() -> None:
 # -- collectives against the Note's arithmetic ----------------------------------------------------
 
 
-def _inputs(world_size: int, numel: int) -> list[torch.Tensor]:
+def _inputs(world_size: int, numel: int, step: int = 0) -> list[torch.Tensor]:
     return [
-        torch.randn(numel * world_size, generator=torch.Generator().manual_seed(rank))
+        torch.randn(numel * world_size, generator=torch.Generator().manual_seed(100 * step + rank))
         for rank in range(world_size)
     ]
 
@@ -173,6 +179,52 @@ def test_collectives_compute_what_the_note_states(world_size: int) -> None:
         assert not failed, f"rank {rank}: {failed}"
 
 
+def _feedback_job(numel: int) -> dict[str, bool]:
+    """Three steps of one bucket with error feedback against a reference that carries every
+    sender's residual by hand, then a step with an inf in rank 0's slice for rank 1."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for name, codec in (("bf16", Bf16Codec(numel)), ("int8", Int8BlockCodec(numel))):
+        residual = torch.zeros(world_size - 1, numel)
+        carried = torch.zeros(world_size, world_size, numel)  # [sender, receiver], fp32
+        for step in range(3):
+            inputs = [x.view(world_size, -1) for x in _inputs(world_size, numel, step)]
+            output = torch.empty(numel)
+            reduce_scatter_compressed(
+                output, inputs[rank].view(-1), codec, dist.group.WORLD, False, residual
+            ).wait()
+            received = {}
+            for sender, receiver in itertools.permutations(range(world_size), 2):
+                value = inputs[sender][receiver] + carried[sender, receiver]
+                received[sender, receiver] = _round_trip(codec, value)
+                carried[sender, receiver] = value - received[sender, receiver]
+            parts = [inputs[r][rank] if r == rank else received[r, rank] for r in range(world_size)]
+            expected = functools.reduce(torch.add, parts) / world_size
+            results[f"{name} average, step {step}"] = torch.equal(output, expected)
+            peers = [peer for peer in range(world_size) if peer != rank]
+            results[f"{name} residual, step {step}"] = torch.equal(residual, carried[rank, peers])
+        results[f"{name} residual nonzero"] = bool(residual.abs().sum() > 0)
+        grads = torch.randn(world_size * numel)
+        if rank == 0:
+            grads[numel + 3] = math.inf  # in the slice rank 0 sends to rank 1
+        output = torch.empty(numel)
+        reduce_scatter_compressed(output, grads, codec, dist.group.WORLD, False, residual).wait()
+        results[f"{name} residual finite after an inf"] = bool(residual.isfinite().all())
+        if rank == 0:
+            zeroed = residual[0, 3:4] if name == "bf16" else residual[0, :INT8_BLOCK_NUMEL]
+            results[f"{name} residual zero where the code is not finite"] = not zeroed.any()
+        if rank == 1:
+            results[f"{name} the average shows the inf"] = not torch.isfinite(output[3])
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_error_feedback_sends_grad_plus_residual_and_keeps_what_the_codes_missed(world_size: int) -> None:
+    for rank, results in enumerate(run_ranks(_feedback_job, world_size, 2 * INT8_BLOCK_NUMEL + 5)):
+        failed = [name for name, ok in results.items() if not ok]
+        assert not failed, f"rank {rank}: {failed}"
+
+
 # -- training ------------------------------------------------------------------------------------
 
 
@@ -201,7 +253,9 @@ class Net(nn.Module):
 
 def _wrapper(run: Run, model: nn.Module) -> ShardingStage1:
     strategy = Strategy()
-    strategy.sharding.grad_compression, strategy.sharding.param_compression = SETTINGS[run.setting]
+    grad, param, feedback = SETTINGS[run.setting]
+    strategy.sharding.grad_compression, strategy.sharding.param_compression = grad, param
+    strategy.sharding.grad_error_feedback = feedback
     strategy.sharding.bucket_size_mb = 0.02  # several buckets, some shards with partial int8 blocks
     strategy.sharding.degree = run.degree
     if run.bf16:
@@ -284,6 +338,10 @@ TWO_RANK_RUNS = [
     Run("int8", overlap=True, clip=0.05),
     Run("int8", optimizer="adafactor"),
     Run("int8", overlap=True, optimizer="adafactor"),
+    Run("bf16-ef", micro_batches=2),
+    Run("bf16-ef", overlap=True, micro_batches=2),
+    Run("int8-ef", optimizer="adafactor"),
+    Run("int8-ef", overlap=True, optimizer="adafactor"),
 ]
 THREE_RANK_RUNS = [
     Run(setting, overlap) for setting in ("exact", "bf16", "int8") for overlap in (False, True)
@@ -296,7 +354,7 @@ HYBRID_RUNS = [
 def _training_job(runs: list[Run], folder: str | None) -> dict:
     results = {"runs": [_train(run) for run in runs]}
     if folder is not None:
-        results["scaler"] = _scaler_skips_an_inf_step()
+        results["scaler"] = {setting: _scaler_skips_an_inf_step(setting) for setting in ("int8", "int8-ef")}
         results["user_writes"] = _user_writes_reach_the_master()
         results["checkpoint"] = _checkpoint_rebuilds_replicas(folder)
         results["errors"] = _errors()
@@ -313,9 +371,21 @@ def three_ranks() -> list[dict]:
     return run_ranks(_training_job, 3, THREE_RANK_RUNS, None)
 
 
+def _hybrid_job(runs: list[Run]) -> dict:
+    results = _training_job(runs, None)
+    strategy = Strategy()
+    strategy.sharding.grad_compression, strategy.sharding.grad_error_feedback = "bf16", True
+    strategy.sharding.degree = 2
+    try:
+        ShardingStage1(torch.optim.AdamW([nn.Parameter(torch.randn(8))]), strategy=strategy)
+    except ValueError as error:
+        results["feedback refused"] = str(error)
+    return results
+
+
 @pytest.fixture(scope="module")
 def hybrid() -> list[dict]:
-    return run_ranks(_training_job, 4, HYBRID_RUNS, None)
+    return run_ranks(_hybrid_job, 4, HYBRID_RUNS)
 
 
 def _check_agreement_and_modes(runs: list[Run], per_rank: list[dict]) -> None:
@@ -348,6 +418,7 @@ def test_hybrid_2x2_agrees_bitwise_after_every_step(hybrid) -> None:
     _check_agreement_and_modes(HYBRID_RUNS, hybrid)
     exact, int8 = hybrid[0]["runs"][0]["wire"], hybrid[0]["runs"][4]["wire"]
     assert int8["replicas"] <= 0.30 * exact["replicas"]
+    assert "grad_error_feedback=True with hybrid sharding" in hybrid[0]["feedback refused"]
 
 
 def test_compressed_training_stays_close_to_exact(two_ranks) -> None:
@@ -355,7 +426,7 @@ def test_compressed_training_stays_close_to_exact(two_ranks) -> None:
     how far exact training moved it (a broken codec or a lost delta lands as far as it moved)."""
     runs = two_ranks[0]["runs"]
     exact = runs[TWO_RANK_RUNS.index(Run("exact"))]
-    for setting in ("bf16", "int8-grads", "int8"):
+    for setting in ("bf16", "int8-grads", "int8", "bf16-ef", "int8-ef"):
         got = runs[TWO_RANK_RUNS.index(Run(setting))]["params"]
         for index, (a, b, start) in enumerate(zip(got, exact["params"], exact["initial"], strict=True)):
             off, moved = (a - b).abs().mean(), (b - start).abs().mean()
@@ -383,13 +454,32 @@ def test_deltas_keep_a_master_and_a_published_copy(two_ranks) -> None:
     assert bf16["master"] == 2 * bf16["published"] > 0  # fp32 master of a bf16 shard
 
 
+def test_error_feedback_sync_equals_overlap_with_accumulation_and_whole_param_owners(two_ranks) -> None:
+    runs = two_ranks[0]["runs"]
+    for sync in (Run("bf16-ef", micro_batches=2), Run("int8-ef", optimizer="adafactor")):
+        overlap = replace(sync, overlap=True)
+        a, b = (runs[TWO_RANK_RUNS.index(run)]["params"] for run in (sync, overlap))
+        assert all(map(torch.equal, a, b)) and len(a) == len(b), f"{overlap}: overlap differs from sync"
+
+
+def test_error_feedback_keeps_an_fp32_residual_of_the_slices_sent(two_ranks) -> None:
+    """On 2 ranks the residual is one fp32 row per compressed bucket, the size of the fp32
+    averaged shard; bf16 params' grads travel exact under "bf16", so they have none."""
+    memory = {run: result["memory"] for run, result in zip(TWO_RANK_RUNS, two_ranks[0]["runs"], strict=True)}
+    for setting in ("exact", "bf16", "int8"):
+        assert memory[Run(setting)]["grad_residual"] == 0
+    for run in (Run("bf16-ef"), Run("int8-ef"), Run("int8-ef", bf16=True)):
+        assert memory[run]["grad_residual"] == memory[run]["reduced_grads"] > 0, run
+    assert memory[Run("bf16-ef", bf16=True)]["grad_residual"] == 0
+
+
 # -- the rest of the contract ---------------------------------------------------------------------
 
 
-def _scaler_skips_an_inf_step() -> dict:
+def _scaler_skips_an_inf_step(setting: str) -> dict:
     rank = dist.get_rank()
-    model = _model(Run("int8"))
-    opt = _wrapper(Run("int8", overlap=True), model)
+    model = _model(Run(setting))
+    opt = _wrapper(Run(setting, overlap=True), model)
     scaler = ShardedGradScaler("cpu", init_scale=2.0**4)
     before = _digest(model)
     x = torch.randn(4, 16)
@@ -399,8 +489,13 @@ def _scaler_skips_an_inf_step() -> dict:
     scaler.step(opt)
     scaler.update()
     skipped = _digest(model) == before and scaler.get_scale() == 2.0**3
+    residuals = [b.grad_residual for b in opt.shards.buckets if b.grad_residual is not None]
     opt.close()
-    return {"skipped": skipped, "agreed": _all_equal(_digest(model))}
+    return {
+        "skipped": skipped,
+        "agreed": _all_equal(_digest(model)),
+        "residual_finite": all(bool(r.isfinite().all()) for r in residuals),
+    }
 
 
 def _trained_int8(steps: int) -> tuple[nn.Module, ShardingStage1]:
@@ -470,6 +565,10 @@ def _errors() -> dict[str, str]:
     for name, setup in {
         "enable=False": lambda s: setattr(s, "enable", False),
         "complex": None,
+        "feedback without compression": lambda s: (
+            setattr(s, "grad_compression", None),
+            setattr(s, "grad_error_feedback", True),
+        ),
     }.items():
         strategy = Strategy()
         strategy.sharding.grad_compression = "int8"
@@ -486,8 +585,10 @@ def _errors() -> dict[str, str]:
 
 
 def test_the_scaler_skips_a_step_with_an_inf_on_one_rank(two_ranks) -> None:
+    """With error feedback too, whose residual restarts at zero where the codes are not finite."""
     for rank, results in enumerate(two_ranks):
-        assert results["scaler"] == {"skipped": True, "agreed": True}, f"rank {rank}"
+        for setting, result in results["scaler"].items():
+            assert result == {"skipped": True, "agreed": True, "residual_finite": True}, (setting, rank)
 
 
 def test_user_writes_to_params_reach_the_master(two_ranks) -> None:
@@ -510,3 +611,4 @@ def test_unsupported_combinations_are_refused_by_name(two_ranks) -> None:
     assert "grad_compression='int8' with enable=False" in errors["enable=False"]
     assert "params of dtype torch.complex64" in errors["complex"]
     assert "real floating-point params only" in errors["complex"]
+    assert "grad_error_feedback=True with grad_compression=None" in errors["feedback without compression"]

@@ -92,6 +92,7 @@ class Case:
     degree: int | None = None
     grad_compression: str | None = None
     param_compression: str | None = None
+    grad_error_feedback: bool = False
 
     def sharding(self) -> ShardingConfig:
         return ShardingConfig(
@@ -99,6 +100,7 @@ class Case:
             degree=self.degree,
             grad_compression=self.grad_compression,
             param_compression=self.param_compression,
+            grad_error_feedback=self.grad_error_feedback,
         )
 
     def planned(self, plan: TrainingPlan) -> ModePlan:
@@ -142,11 +144,19 @@ CASES = {
         Case("partly_frozen_net", "Adagrad", {}, **INT8),
         Case("bf16_net", "AdamW", {}, torch.float32, **INT8),
         Case("bf16_net", "SGD", {}, grad_compression="bf16"),  # bf16 grads go out exact
+        # Note [Error feedback]: an fp32 residual of the slices sent, frozen buckets' too where
+        # they get their shard at construction, 16-bit grads' under int8, none where bf16 grads
+        # go out exact
+        Case("odd_net", "AdamW", {}, grad_compression="bf16", grad_error_feedback=True),
+        Case("partly_frozen_net", "Adagrad", {}, **INT8, grad_error_feedback=True),
+        Case("bf16_net", "AdamW", {}, torch.float32, grad_compression="int8", grad_error_feedback=True),
+        Case("bf16_net", "SGD", {}, grad_compression="bf16", grad_error_feedback=True),
     ],
     3: [
         Case("odd_net", "AdamW", {}),
         Case("bf16_net", "SGD", {"momentum": 0.9}),
         Case("odd_net", "AdamW", {}, **INT8),
+        Case("odd_net", "AdamW", {}, grad_compression="int8", grad_error_feedback=True),  # 2 rows
     ],
     4: [
         Case("odd_net", "AdamW", {}, degree=2),
@@ -343,7 +353,13 @@ def test_cli_plans_compressed_modes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "compressed [grads/params] against exact" in out
     assert main([*argv, "--grad-compression", "bf16"]) == 0
     out = capsys.readouterr().out
-    assert "overlap [bf16/exact]: sends 0." in out and "publ." not in out
+    assert "overlap [bf16/exact]: sends 0." in out and "publ." not in out and "resid." not in out
+    # Note [Error feedback]: the residual's column; refused with hybrid sharding, so not planned
+    assert main([*argv, "--grad-compression", "bf16", "--grad-error-feedback"]) == 0
+    out = capsys.readouterr().out
+    assert "resid." in out and "hybrid 2 [bf16/exact]" not in out and "hybrid 2 " in out
+    assert main([*argv, "--grad-error-feedback"]) == 2
+    assert "grad_error_feedback=True with grad_compression=None" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*argv, "--param-compression", "bf16"])
 
