@@ -41,7 +41,8 @@ Note [Cuts on quantization blocks]
 
     Where the wrapper can give a piece its param's decision itself (``pieces_keep_decision``:
     the class declares how its fresh state is built, ``QuantizedBlocks.fresh_state``, and each
-    piece whose own size would decide otherwise starts from its param's kind of state), the
+    piece whose own size would decide otherwise starts from its param's kind of state; torchao
+    does, in ``sharded_opt/guards/torchao_state.py``, bitsandbytes keeps the rules above), the
     size of a piece no longer matters and the rules shrink to the blocks: a quantized param is
     cut on any of its block edges, any other param anywhere. Nothing moves, no param lies
     whole, and a large param the class keeps plain (4096 or more elements that are not whole
