@@ -8,7 +8,7 @@ needs the wrapper itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -75,16 +75,19 @@ class OptimizerShards:
         if shard is not None:
             add_shard(self.inner, shard)
 
-    def start_pieces(self, shard: LocalShard, pieces: Iterable[tuple[Tensor, int]]) -> None:
-        """Before a step over ``pieces`` (inner params with their param's index): give each piece
-        without state whose own size would make the class decide otherwise than for its param
-        the state the class builds for its param's decision (Note [Cuts on quantization blocks]
-        in ``fusion/block_layout.py``); the class then steps it as it finds it."""
+    def start_pieces(self, shard: LocalShard, owners: Container[int] | None) -> None:
+        """Before a step over ``shard``'s pieces (of the params in ``owners``; None: all of
+        them): give each piece without state whose own size would make the class decide
+        otherwise than for its param the state the class builds for its param's decision (Note
+        [Cuts on quantization blocks] in ``fusion/block_layout.py``); the class then steps it as
+        it finds it. Nothing to do for a class that declares no ``fresh_state``."""
         grid = shard.bucket.block_grid
         if self.fresh_state is None or grid is None:
             return
         group = self.inner.param_groups[shard.bucket.group_index]
-        for piece, owner in pieces:
+        for piece, owner in zip(shard.inner_params, shard.inner_owners, strict=True):
+            if owners is not None and owner not in owners:
+                continue
             quantized = grid.quantizes(self.buffers.params[owner].numel())
             if not self.inner.state.get(piece) and quantized != grid.quantizes(piece.numel()):
                 self.inner.state[piece] = self.fresh_state(self.inner, group, piece, quantized)

@@ -171,12 +171,14 @@ class StepPipeline:
                 continue
             stepped.append(bucket)
             shard.refresh_master()
-            pieces = list(zip(shard.inner_params, shard.inner_owners, strict=True))
-            if not all(present):
-                owners = bucket.params_with_grads()
-                pieces = [(piece, owner) for piece, owner in pieces if owner in owners]
-            self._shards.start_pieces(shard, pieces)
-            groups[shard.bucket.group_index] += [piece for piece, _ in pieces]
+            owners = None if all(present) else bucket.params_with_grads()
+            self._shards.start_pieces(shard, owners)
+            group = groups[shard.bucket.group_index]
+            if owners is None:
+                group += shard.inner_params
+            else:
+                pieces = zip(shard.inner_params, shard.inner_owners, strict=True)
+                group += [piece for piece, owner in pieces if owner in owners]
         if any(groups) or not self.step_per_bucket:
             self._inner_step(groups, kwargs)
             self._shards.share_code_books(piece for group in groups for piece in group)
